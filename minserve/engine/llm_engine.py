@@ -1,0 +1,190 @@
+"""LLMEngine: the step-by-step heart of minserve, with vLLM's ``add_request / step / abort_request``.
+
+One ``step()`` is one iteration of continuous batching: the scheduler picks the batch, the model
+runner computes it and samples, the output processor appends tokens and checks stop conditions,
+finished requests give their KV blocks back, and the step's outputs (incremental, so a notebook can
+stream them) are returned together with a :class:`StepStats` record.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from minserve.config import EngineConfig
+from minserve.engine.kv_cache import KVCacheManager, plan_kv_cache
+from minserve.engine.model_runner import ModelRunner
+from minserve.engine.output_processor import OutputProcessor
+from minserve.engine.request import Request, RequestStatus
+from minserve.engine.sampler import make_generator
+from minserve.engine.scheduler import Scheduler
+from minserve.models.loader import load_model
+from minserve.outputs import RequestOutput
+from minserve.sampling_params import SamplingParams
+
+log = logging.getLogger("minserve")
+
+
+@dataclass
+class StepStats:
+    step: int
+    start_s: float                # perf_counter seconds since engine start
+    step_time_s: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int              # after the step
+    num_waiting: int
+    kv_cache_usage: float         # fraction of blocks in use after the step
+    num_preemptions: int          # in this step
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        t0 = time.perf_counter()
+        self.config = config
+        loaded = load_model(config.model)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.kv_spec = plan_kv_cache(loaded.config, config)
+        self.max_model_len = self._resolve_max_model_len(loaded.config.max_position_embeddings)
+        self.runner = ModelRunner(loaded, config, self.kv_spec, self.max_model_len)
+        self.kv = KVCacheManager(self.kv_spec)
+        self.scheduler = Scheduler(config, self.kv)
+        self.start_s = time.perf_counter()
+        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len,
+                                                time.time() - time.perf_counter())
+        eos = set(loaded.config.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = sorted(eos)
+        self.requests: dict[str, Request] = {}
+        self.step_stats: list[StepStats] = []
+        self.load_time_s = time.perf_counter() - t0
+        log.info("engine ready in %.1f s: %s, max_model_len %d", self.load_time_s, config.model,
+                 self.max_model_len)
+
+    @classmethod
+    def from_engine_args(cls, model: str, **engine_args) -> "LLMEngine":
+        return cls(EngineConfig.from_kwargs(model, **engine_args))
+
+    def _resolve_max_model_len(self, model_max: int) -> int:
+        want = self.config.max_model_len
+        if want is not None and want > model_max:
+            raise ValueError(f"max_model_len must be <= {model_max} for {self.config.model}, got {want}")
+        if want is not None and want > self.kv_spec.max_tokens:
+            raise ValueError(f"max_model_len={want} does not fit the KV cache ({self.kv_spec.max_tokens} "
+                             "tokens); lower max_model_len or raise kv_cache_memory / num_kv_blocks")
+        return want or min(model_max, self.kv_spec.max_tokens)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    priority: int = 0) -> None:
+        """Queue a request. ``prompt`` is a string, a list of token ids, or a dict with
+        ``prompt`` or ``prompt_token_ids`` (vLLM's TextPrompt / TokensPrompt)."""
+        request_id = str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens; it must be shorter than max_model_len="
+                             f"{self.max_model_len} to leave room for at least one output token")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        # arrival_time is wall-clock (as in vLLM); the engine's clock is perf_counter.
+        arrival = (time.perf_counter() if arrival_time is None
+                   else arrival_time - self.output_processor.clock_offset_s)
+        req = Request(request_id, text, ids, params, arrival, max_tokens, self.eos_token_ids,
+                      generator=make_generator(params, self.runner.device), cache_salt=cache_salt,
+                      priority=priority)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict must have 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must be a non-empty string")
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, (list, tuple)) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.model_config.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt_token_ids must be in [0, {vocab}), got {bad[:5]}")
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a non-empty string or a non-empty list of token ids, got {prompt!r:.80}")
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Stop requests now; their KV blocks return to the pool immediately. Unknown ids are ignored."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            req = self.requests.pop(str(rid), None)
+            if req is not None and not req.finished:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished
+
+    # ---- one iteration ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        preempted_before = self.scheduler.num_preemptions
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        try:
+            sampled = self.runner.execute(sched, self.kv)
+        except Exception:
+            # Fail the step's requests cleanly (blocks back in the pool), then surface the error.
+            for s in sched.scheduled:
+                self._retire(s.request, RequestStatus.FINISHED_ERROR)
+            raise
+        outputs = []
+        for s in sched.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            tok = sampled.get(req.request_id)
+            if tok is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            status = self.output_processor.append_token(req, tok.token_id, tok.logprobs, tok.rank)
+            if status is not None:
+                self._retire(req, status)
+            out = self.output_processor.make_output(req)
+            if out is not None:
+                outputs.append(out)
+        self._record_step(t0, sched, self.scheduler.num_preemptions - preempted_before)
+        return outputs
+
+    def _retire(self, req: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(req, status)
+        self.requests.pop(req.request_id, None)
+
+    def _record_step(self, t0: float, sched, preemptions: int) -> None:
+        now = time.perf_counter()
+        self.step_stats.append(StepStats(
+            step=len(self.step_stats), start_s=t0 - self.start_s, step_time_s=now - t0,
+            num_prefill_tokens=sched.num_prefill_tokens, num_decode_tokens=sched.num_decode_tokens,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage, num_preemptions=preemptions))
+
+    @property
+    def last_step_stats(self) -> StepStats | None:
+        return self.step_stats[-1] if self.step_stats else None
+
+    def get_tokenizer(self):
+        return self.tokenizer

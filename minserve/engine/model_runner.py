@@ -1,0 +1,83 @@
+"""Turn a scheduled step into tensors, run one forward pass, and sample.
+
+The runner owns the model, the KV tensors and the sampler. It flattens the scheduler's decision
+into what the model consumes: token ids and positions of every new token, the slots where their
+K/V go, each sequence's cached context and block table (for attention), and which rows need
+logits (the last new token of every sequence that reaches the end of its known tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minserve.attention import build_attention_metadata
+from minserve.config import EngineConfig
+from minserve.engine.kv_cache import KVCacheManager, KVCacheSpec, allocate_kv_tensors
+from minserve.engine.sampler import Sampler, SamplingBatch
+from minserve.engine.scheduler import SchedulerOutput
+from minserve.models.llama import LlamaForCausalLM
+from minserve.models.loader import LoadedModel
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprobs: list[tuple[int, float]] | None   # [(sampled, lp), top-N...] when asked
+    rank: int | None
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, spec: KVCacheSpec, max_model_len: int):
+        self.device = torch.device(config.device)
+        self.model = LlamaForCausalLM(loaded.config, loaded.weights, max_model_len)
+        self.model.to(device=self.device, dtype=config.torch_dtype)
+        self.model.rotary.float()  # keep the cos/sin tables exact; cast per step
+        self.kv_caches = allocate_kv_tensors(loaded.config, spec, config.torch_dtype, config.device)
+        generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.sampler = Sampler(generator)
+        self.block_size = spec.block_size
+
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> dict[str, SampledToken]:
+        """Run the step; return the sampled token of every request whose step ends in a sample."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        for s in sched.scheduled:
+            start, end = s.context_len, s.context_len + s.num_new_tokens
+            tokens += s.request.token_ids(start, end)
+            positions += range(start, end)
+            if s.samples:
+                logits_rows.append(len(tokens) - 1)
+        meta = build_attention_metadata([s.num_new_tokens for s in sched.scheduled],
+                                        [s.context_len for s in sched.scheduled],
+                                        [kv.block_table(s.request.request_id) for s in sched.scheduled],
+                                        self.block_size, self.device)
+        to = dict(dtype=torch.long, device=self.device)
+        logits = self.model(torch.tensor(tokens, **to), torch.tensor(positions, **to), self.kv_caches,
+                            meta, torch.tensor(logits_rows, **to))
+        sampling = [s.request for s in sched.scheduled if s.samples]
+        if not sampling:
+            return {}
+        out = self.sampler(logits, SamplingBatch(
+            params=[r.params for r in sampling],
+            generators=[r.generator for r in sampling],
+            banned_token_ids=[_banned_tokens(r) for r in sampling]))
+        return {r.request_id: SampledToken(out.token_ids[i],
+                                           out.logprobs[i] if out.logprobs is not None else None,
+                                           out.ranks[i] if out.ranks is not None else None)
+                for i, r in enumerate(sampling)}
+
+    def weight_bytes(self) -> int:
+        return self.model.weight_bytes()
+
+
+def _banned_tokens(req) -> list[int]:
+    """Until ``min_tokens`` are out, the tokens that would stop the request may not be sampled."""
+    if len(req.output_token_ids) >= req.params.min_tokens:
+        return []
+    stops = list(req.params.stop_token_ids)
+    if not req.params.ignore_eos:
+        stops += req.eos_token_ids
+    return stops

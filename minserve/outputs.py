@@ -1,0 +1,77 @@
+"""What a request returns, shaped like vLLM's ``RequestOutput`` / ``CompletionOutput``.
+
+Times in :class:`RequestMetrics` are wall-clock seconds (``time.time()``) like vLLM's, converted at
+this boundary from the engine's monotonic clock; the derived latencies are in seconds.
+
+Definitions (the same as vLLM's metrics):
+- queue time ``time_in_queue`` = first scheduled - arrival;
+- TTFT = first token - arrival (includes queueing and the whole prefill);
+- TPOT = (E2E - TTFT) / (output tokens - 1), the mean gap between later tokens;
+- E2E = finished (or last token, while running) - arrival.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    last_token_time: float | None
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    time_in_queue: float | None
+    finished_time: float | None = None
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_s(self) -> float | None:
+        end = self.finished_time if self.finished_time is not None else self.last_token_time
+        return None if end is None else end - self.arrival_time
+
+    @property
+    def tpot_s(self) -> float | None:
+        """None until there are two tokens (a single token has no "per output token" time)."""
+        if self.num_generation_tokens < 2 or self.ttft_s is None or self.last_token_time is None:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_generation_tokens - 1)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop token id or string that ended it (None for EOS)
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    prompt_logprobs: None = None
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict = field(default_factory=dict)

@@ -1,0 +1,212 @@
+"""Per-request sampling parameters, with vLLM's public names and semantics (a subset).
+
+Code written against ``vllm.SamplingParams`` keeps working here for the fields listed below; fields
+vLLM has and we do not (``best_of``, penalties, ``logit_bias``, ``prompt_logprobs``, ...) are absent
+on purpose, so passing one fails loudly (``TypeError``) instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import math
+import numbers
+from dataclasses import dataclass
+
+# Below this temperature a request is greedy. Same constant as vLLM (_SAMPLING_EPS): dividing
+# logits by a smaller number overflows nothing useful and only amplifies rounding noise.
+SAMPLING_EPS = 1e-5
+# Upper bound on the number of top logprobs a request may ask for (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each streamed ``RequestOutput`` carries (same values as vLLM)."""
+
+    CUMULATIVE = 0  # all text/tokens generated so far, every time
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # nothing until the request finishes, then everything
+
+
+class SamplingType(enum.IntEnum):
+    """How the sampler treats a request (same names as vLLM)."""
+
+    GREEDY = 0  # argmax; no randomness, no generator needed
+    RANDOM = 1  # random draw from the engine's shared generator
+    RANDOM_SEED = 2  # random draw from the request's own seeded generator
+
+
+def _int(name: str, value: object, *, none_ok: bool = False) -> int | None:
+    """Return ``value`` as a plain int; reject bools, floats and strings (``max_tokens="5"``)."""
+    if value is None and none_ok:
+        return None
+    # bool is an int subclass, but ``max_tokens=True`` is always a bug, never "1".
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        kind = "an int or None" if none_ok else "an int"
+        raise ValueError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def _float(name: str, value: object) -> float:
+    """Return ``value`` as a finite float; ints are fine (``temperature=0``), bools and NaN/inf not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return out
+
+
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _stop_strings(value: object) -> list[str]:
+    """Normalize ``stop`` to a list of non-empty strings."""
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"stop must be a str, a list of str or None, got {value!r}")
+    for s in items:
+        if not isinstance(s, str):
+            raise ValueError(f"stop must contain only strings, got {s!r} ({type(s).__name__})")
+        # An empty stop string would match at every position and end every request at once.
+        if s == "":
+            raise ValueError("stop must not contain empty strings, got ''")
+    return list(items)
+
+
+def _stop_token_ids(value: object) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of int or None, got {value!r}")
+    out = []
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+            raise ValueError(f"stop_token_ids must contain only ints >= 0, got {t!r}")
+        out.append(int(t))
+    return out
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the tokens of one request (vLLM semantics).
+
+    Attributes:
+        n: Number of completions per prompt. Only 1 is supported (no parallel sampling yet).
+        temperature: Logits are divided by it before sampling. Lower is more deterministic;
+            below 1e-5 (e.g. 0) the request is greedy (argmax) and top_p/top_k/min_p are ignored.
+        top_p: Nucleus sampling: keep the smallest set of most likely tokens whose cumulative
+            probability reaches ``top_p``, in (0, 1]. 1 disables it.
+        top_k: Keep only the ``top_k`` most likely tokens. 0 or -1 disables it.
+        min_p: Drop tokens whose probability is below ``min_p`` times the most likely token's,
+            in [0, 1]. 0 disables it.
+        seed: Seed of this request's own random generator. The same seed, prompt and parameters
+            give the same tokens whatever else is in the batch. None uses the engine's generator.
+        stop: Strings that end generation when they appear in the output. The stop string itself
+            is not returned unless ``include_stop_str_in_output``. Normalized to a list.
+        stop_token_ids: Token ids that end generation (the token is kept in ``token_ids`` but,
+            if it is a special token, not in the text). Normalized to a list.
+        max_tokens: Maximum number of tokens to generate. None means "until the context is full"
+            (the engine fills in ``max_model_len - prompt_len``).
+        min_tokens: EOS and ``stop_token_ids`` are forbidden until this many tokens exist.
+        ignore_eos: Keep generating after EOS (for benchmarks that need an exact length).
+        logprobs: Return the log-probability of each sampled token plus this many top
+            alternatives (0 = just the sampled token's), in [0, 20]. None returns none. Computed from
+            the raw model logits, before temperature/top-k/top-p (vLLM's default).
+        skip_special_tokens: Leave special tokens out of the detokenized text.
+        include_stop_str_in_output: Keep the matched stop string at the end of the text.
+        output_kind: What each streamed output contains (see ``RequestOutputKind``).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        self._check_sampling()
+        self._check_lengths()
+        self.stop = _stop_strings(self.stop)
+        self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
+        self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
+        self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
+        self.include_stop_str_in_output = _bool(
+            "include_stop_str_in_output", self.include_stop_str_in_output)
+        self.output_kind = self._check_output_kind(self.output_kind)
+
+    def _check_sampling(self) -> None:
+        self.n = _int("n", self.n)
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n}")
+        self.temperature = _float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        self.top_p = _float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.top_k = _int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 or -1 (disabled) or >= 1, got {self.top_k}")
+        self.min_p = _float("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        self.seed = _int("seed", self.seed, none_ok=True)
+        # torch.Generator.manual_seed accepts exactly this range.
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [-2**63, 2**64 - 1] or None, got {self.seed}")
+
+    def _check_lengths(self) -> None:
+        self.max_tokens = _int("max_tokens", self.max_tokens, none_ok=True)
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+        self.min_tokens = _int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
+                             f"got {self.min_tokens}")
+        self.logprobs = _int("logprobs", self.logprobs, none_ok=True)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+
+    @staticmethod
+    def _check_output_kind(value: object) -> RequestOutputKind:
+        # Accept the plain ints vLLM's enum values stand for (0/1/2), since IntEnum compares equal.
+        if isinstance(value, RequestOutputKind):
+            return value
+        if not isinstance(value, bool) and isinstance(value, int) and value in (0, 1, 2):
+            return RequestOutputKind(value)
+        raise ValueError(f"output_kind must be a RequestOutputKind (CUMULATIVE=0, DELTA=1, "
+                         f"FINAL_ONLY=2), got {value!r}")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    def clone(self) -> SamplingParams:
+        """A deep copy, so the engine can fill ``max_tokens`` without touching the caller's object."""
+        return copy.deepcopy(self)
