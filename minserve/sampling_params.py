@@ -48,7 +48,7 @@ def _int(name: str, value: object, *, none_ok: bool = False) -> int | None:
 
 
 def _float(name: str, value: object) -> float:
-    """Return ``value`` as a finite float; ints are fine (``temperature=0``), bools and NaN/inf not."""
+    """``value`` as a finite float; ints are fine (``temperature=0``), bools, NaN and inf not."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
     out = float(value)
@@ -116,8 +116,8 @@ class SamplingParams:
         min_tokens: EOS and ``stop_token_ids`` are forbidden until this many tokens exist.
         ignore_eos: Keep generating after EOS (for benchmarks that need an exact length).
         logprobs: Return the log-probability of each sampled token plus this many top
-            alternatives (0 = just the sampled token's), in [0, 20]. None returns none. Computed from
-            the raw model logits, before temperature/top-k/top-p (vLLM's default).
+            alternatives (0 = just the sampled token's), in [0, 20]. None returns none. Computed
+            from the raw model logits, before temperature/top-k/top-p (vLLM's default).
         skip_special_tokens: Leave special tokens out of the detokenized text.
         include_stop_str_in_output: Keep the matched stop string at the end of the text.
         output_kind: What each streamed output contains (see ``RequestOutputKind``).
@@ -183,7 +183,8 @@ class SamplingParams:
                              f"got {self.min_tokens}")
         self.logprobs = _int("logprobs", self.logprobs, none_ok=True)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, "
+                             f"got {self.logprobs}")
 
     @staticmethod
     def _check_output_kind(value: object) -> RequestOutputKind:
@@ -208,5 +209,5 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS
 
     def clone(self) -> SamplingParams:
-        """A deep copy, so the engine can fill ``max_tokens`` without touching the caller's object."""
+        """A deep copy: the engine fills ``max_tokens`` without touching the caller's object."""
         return copy.deepcopy(self)

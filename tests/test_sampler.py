@@ -58,7 +58,7 @@ def _assert_matches(tokens: list[int], target: list[float]) -> None:
     support = [i for i, q in enumerate(target) if q > 0]
     for i, q in enumerate(target):
         if q == 0:
-            assert counts[i] == 0, f"token {i} is outside the allowed set but drawn {counts[i]} times"
+            assert counts[i] == 0, f"token {i} is outside the allowed set, drawn {counts[i]}x"
     if len(support) == 1:
         return
     chi2 = sum((counts[i] - n * target[i]) ** 2 / (n * target[i]) for i in support)

@@ -45,6 +45,7 @@ class LLMEngine:
         self.config = config
         loaded = load_model(config.model)
         self.model_config = loaded.config
+        self.config_path = loaded.path  # the resolved local directory (a cache dir for aliases)
         self.tokenizer = loaded.tokenizer
         self.kv_spec = plan_kv_cache(loaded.config, config)
         self.max_model_len = self._resolve_max_model_len(loaded.config.max_position_embeddings)

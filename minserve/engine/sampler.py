@@ -8,12 +8,15 @@ operations follows vLLM V1:
 2. banned tokens (``min_tokens``: EOS and stop ids until enough tokens exist) are set to -inf;
 3. greedy rows take the argmax;
 4. random rows: divide by temperature, keep top-k, then top-p, then min-p, then draw.
+   (Recent vLLM V1 applies min_p before top-k/top-p; the two orders differ only when min_p and
+   top_p are both set, since top-p then sees a different renormalized distribution.)
 
 The draw uses the exponential race: with ``q_i ~ Exp(1)`` independent, ``argmax_i p_i / q_i`` is
-distributed exactly as ``Categorical(p)`` (``q_i / p_i ~ Exp(p_i)``, and the smallest of independent
-exponentials is ``i`` with probability ``p_i / sum(p)``). Unlike ``torch.multinomial`` over the whole
-batch, each row's noise is one call on that row's own generator, so a seeded request's tokens
-depend only on its seed and its logits, never on which other requests share the batch.
+distributed exactly as ``Categorical(p)`` (``q_i / p_i ~ Exp(p_i)``, and the smallest of
+independent exponentials is ``i`` with probability ``p_i / sum(p)``). Unlike ``torch.multinomial``
+over the whole batch, each row's noise is one call on that row's own generator, so a seeded
+request's tokens depend only on its seed and its logits, never on which other requests share the
+batch.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ class SamplerOutput:
     ranks: list[int] | None
 
 
-def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+def make_generator(params: SamplingParams,
+                   device: torch.device | str = "cpu") -> torch.Generator | None:
     """The per-request generator for a seeded request (None for unseeded ones).
 
     The engine creates it once per request and keeps it across steps, so the request's noise is a
@@ -75,6 +79,7 @@ class Sampler:
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample one token per row of ``logits`` [B, V]; ``logits`` is never modified."""
         _check_batch(logits, batch)
         raw = logits.float()  # no copy when already fp32; never modified below
         params, banned = batch.params, batch.banned_token_ids
@@ -144,7 +149,8 @@ def _check_batch(logits: torch.Tensor, batch: SamplingBatch) -> None:
             raise ValueError(f"banned_token_ids[{i}] must be in [0, {vocab - 1}], got {banned}")
         # With every token banned there is nothing valid to pick; argmax would silently return 0.
         if len(set(banned)) == vocab:
-            raise ValueError(f"banned_token_ids[{i}] bans all {vocab} tokens; nothing can be sampled")
+            raise ValueError(f"banned_token_ids[{i}] must leave at least one of the {vocab} "
+                             f"tokens allowed, got all of them banned")
 
 
 def _ban_(logits: torch.Tensor, banned: list[list[int]]) -> None:
@@ -157,7 +163,7 @@ def _ban_(logits: torch.Tensor, banned: list[list[int]]) -> None:
 def _greedy(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
     """Argmax per row, never a banned id, without copying ``logits`` (it may be the caller's)."""
     tokens = logits.argmax(dim=-1)
-    # A ban only matters when it hits the argmax: redo just those rows, on a copy, with bans applied.
+    # A ban only matters when it hits the argmax: redo just those rows, on a copy, bans applied.
     redo = [i for i, t in enumerate(tokens.tolist()) if banned[i] and t in banned[i]]
     if redo:
         sub = logits[redo]
@@ -173,7 +179,8 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> No
     of their best tokens: exactly ``top_k`` of them when top-k is on, else ``NUCLEUS_WINDOW``
     (falling back to a full sort for the rare row whose nucleus is wider). Rows are grouped by
     window size and the size never depends on other rows, so a row's result does not depend on
-    the batch it is in (needed for seeded reproducibility).
+    the batch it is in (needed for seeded reproducibility). Top-k keeps exactly k tokens; ties at
+    the k-th value are broken by ``topk`` (vLLM keeps all tied tokens: rare with float logits).
     """
     vocab = logits.shape[1]
     windows: dict[tuple[int, bool], list[int]] = {}

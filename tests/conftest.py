@@ -1,0 +1,26 @@
+import logging
+import os
+
+import pytest
+
+logging.getLogger("minserve").setLevel(logging.ERROR)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm():
+    from minserve import LLM
+    return LLM("tiny-llama", max_num_seqs=32, max_num_batched_tokens=256, num_kv_blocks=256)
+
+
+@pytest.fixture(scope="session")
+def smol_llm():
+    from minserve import LLM
+    return LLM("smollm2-135m", max_num_seqs=32, max_num_batched_tokens=512, kv_cache_memory="512MiB")
+
+
+def assert_all_blocks_free(llm):
+    eng = llm.llm_engine
+    pool = eng.kv.pool
+    assert pool.num_free == pool.num_blocks, f"{pool.num_blocks - pool.num_free} KV blocks still held"
+    assert all(c == 0 for c in pool.ref_count)
+    assert not eng.kv.block_tables and not eng.has_unfinished_requests()
