@@ -33,11 +33,11 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int     # tokens computed for it this step
     context_len: int        # tokens already in its KV cache before this step
+    samples: bool = False   # reaches the end of its known tokens, so a token is sampled
 
-    @property
-    def samples(self) -> bool:
-        """Does this step reach the end of its known tokens, so a new token is sampled?"""
-        return self.context_len + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        # Fixed at scheduling time: after the step the request has grown by the sampled token.
+        self.samples = self.context_len + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass

