@@ -109,12 +109,12 @@ def _converted(key: str, convert) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=out.parent))
     try:
         t0 = time.perf_counter()
-        log.warning("minserve: preparing %s in %s (first use only)...", key, out)
+        log.info("preparing %s in %s (first use only)...", key, out)
         convert(tmp)
         (tmp / _DONE).write_text("ok\n")
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
-        log.warning("minserve: %s ready in %.1f s", key, time.perf_counter() - t0)
+        log.info("%s ready in %.1f s", key, time.perf_counter() - t0)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

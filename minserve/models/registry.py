@@ -49,13 +49,19 @@ class ModelConfig:
         theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
         scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         eos = hf.get("eos_token_id")
+        max_pos = hf.get("max_position_embeddings", 2048)
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        if window:
+            # We attend to the full context. That equals sliding-window attention only while the
+            # context fits in the window, so the window bounds the usable length.
+            max_pos = min(max_pos, int(window))
         return cls(
             architecture=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
             num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
