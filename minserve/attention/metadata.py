@@ -22,7 +22,8 @@ class AttentionGroup:
     token_start: int            # first row of this group in the flat batch
     num_seqs: int
     query_len: int              # new tokens per sequence in this group
-    kv_slots: torch.Tensor      # [num_seqs, max_kv_len] flat cache slot of every key to attend to
+    kv_blocks: torch.Tensor     # [num_seqs, blocks] block table, padded with block 0
+    kv_len: int                 # longest context in the group (keys past a sequence's own are masked)
     mask: torch.Tensor | None   # [num_seqs, 1, query_len, max_kv_len] bool, True = may attend
     is_causal: bool             # one sequence, no cached context: plain causal attention
 
@@ -65,20 +66,18 @@ def _build_group(token_start: int, q: int, ctxs: list[int], tables: list[list[in
                  block_size: int, device) -> AttentionGroup:
     kv_lens = [c + q for c in ctxs]
     max_kv = max(kv_lens)
-    # Expand block ids to slot ids for all sequences at once. Padding points at block 0; the mask
-    # hides it, so what it holds never matters.
+    # Attention gathers whole blocks (contiguous block_size x heads x dim chunks), which is far
+    # cheaper than gathering token by token. Padding points at block 0; the mask hides it.
     num_blocks = (max_kv + block_size - 1) // block_size
-    padded = torch.tensor([t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in tables],
-                          dtype=torch.long)
-    kv_slots = (padded[:, :, None] * block_size + torch.arange(block_size)).view(len(tables), -1)
-    kv_slots = kv_slots[:, :max_kv].contiguous().to(device)
+    kv_blocks = torch.tensor([t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in tables],
+                             dtype=torch.long, device=device)
     n = len(ctxs)
     if n == 1 and (q == 1 or ctxs[0] == 0):
         # No padding: a lone decode sees everything, a fresh prefill is plain causal.
-        return AttentionGroup(token_start, 1, q, kv_slots, None, is_causal=q > 1)
+        return AttentionGroup(token_start, 1, q, kv_blocks, max_kv, None, is_causal=q > 1)
     # Query j of a sequence with c cached tokens sits at position c + j and sees keys 0..c+j.
     key_pos = torch.arange(max_kv, device=device)[None, None, :]
     last_visible = (torch.tensor(ctxs, device=device)[:, None, None]
                     + torch.arange(q, device=device)[None, :, None])
     mask = (key_pos <= last_visible).unsqueeze(1)
-    return AttentionGroup(token_start, n, q, kv_slots, mask, is_causal=False)
+    return AttentionGroup(token_start, n, q, kv_blocks, max_kv, mask, is_causal=False)

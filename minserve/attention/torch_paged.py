@@ -1,8 +1,8 @@
 """Paged attention in plain PyTorch: the reference backend, and the one used on CPU.
 
 Keys and values live in per-layer caches shaped ``[num_blocks, block_size, kv_heads, head_dim]``.
-A step writes the new tokens' K/V into their slots, then each group gathers its sequences' keys
-through the slot indices and runs one ``scaled_dot_product_attention`` call (grouped-query
+A step writes the new tokens' K/V into their slots, then each group gathers its sequences' blocks
+through their block tables and runs one ``scaled_dot_product_attention`` call (grouped-query
 attention handled by SDPA itself, no repeated K/V copies).
 """
 
@@ -24,20 +24,18 @@ class TorchPagedAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> attention output [T, H * D]."""
-        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         if len(meta.groups) == 1:
-            return self._group(q, k_flat, v_flat, meta.groups[0])
-        return torch.cat([self._group(q[g.token_start:g.token_end], k_flat, v_flat, g)
+            return self._group(q, k_cache, v_cache, meta.groups[0])
+        return torch.cat([self._group(q[g.token_start:g.token_end], k_cache, v_cache, g)
                           for g in meta.groups], dim=0)
 
-    def _group(self, q, k_flat, v_flat, g) -> torch.Tensor:
+    def _group(self, q, k_cache, v_cache, g) -> torch.Tensor:
         n, ql = g.num_seqs, g.query_len
-        # [n, L, Hkv, D] -> [n, Hkv, L, D]; queries [n*ql, H, D] -> [n, H, ql, D]
-        keys = k_flat[g.kv_slots].transpose(1, 2)
-        values = v_flat[g.kv_slots].transpose(1, 2)
+        # [n, blocks, block_size, Hkv, D] -> [n, L, Hkv, D] -> [n, Hkv, L, D]
+        keys = k_cache[g.kv_blocks].flatten(1, 2)[:, :g.kv_len].transpose(1, 2)
+        values = v_cache[g.kv_blocks].flatten(1, 2)[:, :g.kv_len].transpose(1, 2)
         queries = q.view(n, ql, self.num_heads, self.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask,
                                              is_causal=g.is_causal, scale=self.scale,
