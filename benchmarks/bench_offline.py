@@ -9,8 +9,8 @@ state (clock, other load):
 2. batch-1 decode rate (1/TPOT), against that roofline: read GB/s / weight bytes per token;
 3. a mixed offline workload: minserve's continuous batching against static batches of ``generate``.
 
-    .venv/bin/python benchmarks/bench_offline.py            # full run (tens of minutes on 2 cores)
-    .venv/bin/python benchmarks/bench_offline.py --quick    # smoke test (about a minute)
+    .venv/bin/python benchmarks/bench_offline.py            # full run (several minutes on 2 idle cores)
+    .venv/bin/python benchmarks/bench_offline.py --quick    # smoke test (about 20 s on 2 idle cores)
 """
 
 from __future__ import annotations
@@ -70,6 +70,25 @@ def machine_info() -> dict:
     return {"cpu": model, "isa": isa, "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "transformers": __import__("transformers").__version__, "python": platform.python_version()}
+
+
+def cpu_seconds() -> tuple[float, float, float]:
+    """(wall, busy CPU seconds of the whole machine, CPU seconds of this process)."""
+    try:
+        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:9]]
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")   # all but idle + iowait
+    except (OSError, ValueError):
+        busy = float("nan")
+    t = os.times()
+    return time.perf_counter(), busy, t.user + t.system
+
+
+def other_load(start: tuple[float, float, float]) -> dict:
+    # Another job on the same 2 cores slows both engines by far more than its share (thread pools
+    # spin and thrash), so record how busy everything *else* kept the CPU during this run.
+    end = cpu_seconds()
+    wall, others = end[0] - start[0], (end[1] - start[1]) - (end[2] - start[2])
+    return {"wall_s": wall, "other_cpu_s": others, "other_avg_cores": others / wall}
 
 
 def best_seconds(fn, reps: int) -> float:
@@ -139,25 +158,32 @@ def load_hf(path: Path):
 
 
 @torch.inference_mode()
-def hf_generate_s(model, tok, batch_ids: list[list[int]], new_tokens: int) -> float:
+def hf_generate(model, tok, batch_ids: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    """Seconds for one static batch, and the new tokens of each row."""
     enc = tok.pad({"input_ids": batch_ids}, padding=True, return_tensors="pt")
     t0 = time.perf_counter()
-    model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                   pad_token_id=tok.pad_token_id)
-    return time.perf_counter() - t0
+    out = model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                         pad_token_id=tok.pad_token_id)
+    return time.perf_counter() - t0, out[:, enc["input_ids"].shape[1]:].tolist()
 
 
-def minserve_decode_rate(llm: LLM, prompt_ids: list[int], n: int) -> float:
+def minserve_decode_rate(llm: LLM, prompt_ids: list[int], n: int) -> tuple[float, list[int]]:
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    m = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0].metrics
-    return (n - 1) / (m.last_token_time - m.first_token_time)
+    out = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
+    m = out.metrics   # first token ends prefill; the n-1 gaps after it are pure decode steps
+    return (n - 1) / (m.last_token_time - m.first_token_time), out.outputs[0].token_ids
 
 
-def hf_decode_rate(model, tok, prompt_ids: list[int], n: int) -> float:
+def hf_decode_rate(model, tok, prompt_ids: list[int], n: int) -> tuple[float, list[int]]:
     # generate(n) - generate(1) leaves the n-1 decode steps: prefill is paid in both.
-    full = hf_generate_s(model, tok, [prompt_ids], n)
-    prefill = hf_generate_s(model, tok, [prompt_ids], 1)
-    return (n - 1) / (full - prefill)
+    full, tokens = hf_generate(model, tok, [prompt_ids], n)
+    prefill, _ = hf_generate(model, tok, [prompt_ids], 1)
+    return (n - 1) / (full - prefill), tokens[0]
+
+
+def leading_agreement(a: list[int], b: list[int]) -> int:
+    # fp32 kernels differ in summation order, so greedy paths may part late; early on they must agree.
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def bench_decode(llm: LLM, hf, args, weight_bytes: int, bw: dict) -> dict:
@@ -165,11 +191,13 @@ def bench_decode(llm: LLM, hf, args, weight_bytes: int, bw: dict) -> dict:
     minserve_decode_rate(llm, prompt_ids, 8)   # warm-up: first-call allocations, thread pools
     if hf:
         hf_decode_rate(*hf, prompt_ids, 8)
-    ms, tf = [], []
+    ms, tf, m_tok, t_tok = [], [], [], []
     for _ in tqdm(range(args.runs), desc="batch-1 decode runs"):
-        ms.append(minserve_decode_rate(llm, prompt_ids, args.decode_tokens))   # alternate engines so
-        if hf:                                                                # drifts hit both
-            tf.append(hf_decode_rate(*hf, prompt_ids, args.decode_tokens))
+        rate, m_tok = minserve_decode_rate(llm, prompt_ids, args.decode_tokens)   # alternate engines
+        ms.append(rate)                                                         # so drifts hit both
+        if hf:
+            rate, t_tok = hf_decode_rate(*hf, prompt_ids, args.decode_tokens)
+            tf.append(rate)
     roofline = bw["read_GBps"] * 1e9 / weight_bytes
     out = {"prompt_tokens": len(prompt_ids), "decode_tokens": args.decode_tokens, "weight_bytes": weight_bytes,
            "roofline_tok_s": roofline, "minserve_runs_tok_s": ms, "minserve_tok_s": statistics.median(ms)}
@@ -178,6 +206,7 @@ def bench_decode(llm: LLM, hf, args, weight_bytes: int, bw: dict) -> dict:
         out.update(transformers_runs_tok_s=tf, transformers_tok_s=statistics.median(tf))
         out["transformers_vs_roofline"] = out["transformers_tok_s"] / roofline
         out["ratio"] = out["minserve_tok_s"] / out["transformers_tok_s"]
+        out["greedy_tokens_agree"] = leading_agreement(m_tok, t_tok)
     return out
 
 
@@ -187,7 +216,7 @@ def bench_mixed(llm: LLM, hf, work: list[dict], batch_size: int) -> dict:
     warm = [w["prompt_token_ids"] for w in work[:batch_size]]   # warm-up: a short batched run each
     llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     if hf:
-        hf_generate_s(*hf, warm, 2)
+        hf_generate(*hf, warm, 2)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": w["prompt_token_ids"]} for w in work], params)
     wall = time.perf_counter() - t0
@@ -200,7 +229,7 @@ def bench_mixed(llm: LLM, hf, work: list[dict], batch_size: int) -> dict:
         wall, padded = 0.0, 0
         for b in tqdm(batches, desc="transformers static batches"):
             longest = max(w["max_tokens"] for w in b)   # the batch runs until its longest member is done
-            wall += hf_generate_s(*hf, [w["prompt_token_ids"] for w in b], longest)
+            wall += hf_generate(*hf, [w["prompt_token_ids"] for w in b], longest)[0]
             padded += longest * len(b)
         out.update(transformers_wall_s=wall, transformers_tok_s=useful / wall,
                    transformers_generated_tokens=padded, ratio=out["minserve_tok_s"] / (useful / wall))
@@ -222,6 +251,9 @@ def markdown(res: dict) -> str:
     lines = [f"Machine: {m['cpu']} ({m['isa']}), {m['cores']} cores, torch {m['torch']} "
              f"({m['torch_threads']} threads), transformers {m['transformers']}; model `{res['model']}` fp32"
              + (" — **quick mode**" if res["quick"] else ""), "",
+             *([f"**Warning:** other processes kept {res['other_load']['other_avg_cores']:.2f} cores busy on "
+                "average during this run; both engines' numbers are unreliable (rerun on a quiet machine).", ""]
+               if res["other_load"]["other_avg_cores"] > 0.1 else []),
              f"Memory: read {fmt(bw.get('read_GBps'))} GB/s (sum over 1 GiB), copy {fmt(bw.get('copy_GBps'))} "
              f"GB/s (bytes read + written). Weights read per token: {res['weight_bytes'] / 1e6:.0f} MB.",
              "", "| measurement | minserve | transformers | minserve / transformers | target | met |",
@@ -240,6 +272,9 @@ def markdown(res: dict) -> str:
                      f"{fmt(x['minserve_tok_s'])} | {fmt(x.get('transformers_tok_s'))} | {fmt(x.get('ratio'), '.2f', 'x')} "
                      f"| >= {TARGETS['mixed_vs_hf']}x | {verdict(x.get('ratio'), TARGETS['mixed_vs_hf'])} |")
         lines.append(f"| mixed, wall time (s) | {fmt(x['minserve_wall_s'])} | {fmt(x.get('transformers_wall_s'))} | | | |")
+    if "greedy_tokens_agree" in d:
+        lines += ["", f"Same weights check: the two engines' greedy batch-1 outputs agree on the first "
+                      f"{d['greedy_tokens_agree']} of {d['decode_tokens']} tokens."]
     if "transformers_generated_tokens" in x:
         lines += ["", f"Mixed throughput counts only the {x['useful_output_tokens']} requested output tokens; "
                       f"transformers also generated {x['transformers_generated_tokens'] - x['useful_output_tokens']} "
@@ -252,6 +287,7 @@ def main() -> None:
     args = parse_args()
     res = {"model": args.model, "quick": args.quick, "args": vars(args), "machine": machine_info(),
            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    start = cpu_seconds()
     print("measuring memory bandwidth ...", flush=True)
     res["bandwidth"] = memory_bandwidth()
     llm = LLM(args.model, max_num_seqs=args.batch_size, max_num_batched_tokens=512, seed=args.seed)
@@ -262,6 +298,7 @@ def main() -> None:
         gc.collect()
     if not args.skip_mixed:
         res["mixed"] = bench_mixed(llm, hf, make_workload(llm.get_tokenizer(), args), args.batch_size)
+    res["other_load"] = other_load(start)
     res["markdown"] = markdown(res)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
