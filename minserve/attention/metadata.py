@@ -24,6 +24,7 @@ class AttentionGroup:
     query_len: int              # new tokens per sequence in this group
     kv_blocks: torch.Tensor     # [num_seqs, blocks] block table, padded with block 0
     kv_len: int                 # longest context in the group (keys past a sequence's own are masked)
+    first_block: int | None     # set when a lone sequence's blocks are consecutive: read a view, no gather
     mask: torch.Tensor | None   # [num_seqs, 1, query_len, max_kv_len] bool, True = may attend
     is_causal: bool             # one sequence, no cached context: plain causal attention
 
@@ -74,10 +75,13 @@ def _build_group(token_start: int, q: int, ctxs: list[int], tables: list[list[in
     n = len(ctxs)
     if n == 1 and (q == 1 or ctxs[0] == 0):
         # No padding: a lone decode sees everything, a fresh prefill is plain causal.
-        return AttentionGroup(token_start, 1, q, kv_blocks, max_kv, None, is_causal=q > 1)
+        table = tables[0][:num_blocks]
+        consecutive = table == list(range(table[0], table[0] + num_blocks))
+        return AttentionGroup(token_start, 1, q, kv_blocks, max_kv, table[0] if consecutive else None,
+                              None, is_causal=q > 1)
     # Query j of a sequence with c cached tokens sits at position c + j and sees keys 0..c+j.
     key_pos = torch.arange(max_kv, device=device)[None, None, :]
     last_visible = (torch.tensor(ctxs, device=device)[:, None, None]
                     + torch.arange(q, device=device)[None, :, None])
     mask = (key_pos <= last_visible).unsqueeze(1)
-    return AttentionGroup(token_start, n, q, kv_blocks, max_kv, mask, is_causal=False)
+    return AttentionGroup(token_start, n, q, kv_blocks, max_kv, None, mask, is_causal=False)

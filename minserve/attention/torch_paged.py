@@ -34,10 +34,18 @@ class TorchPagedAttention:
     def _group(self, q, k_cache, v_cache, g) -> torch.Tensor:
         n, ql = g.num_seqs, g.query_len
         # [n, blocks, block_size, Hkv, D] -> [n, L, Hkv, D] -> [n, Hkv, L, D]
-        keys = k_cache[g.kv_blocks].flatten(1, 2)[:, :g.kv_len].transpose(1, 2)
-        values = v_cache[g.kv_blocks].flatten(1, 2)[:, :g.kv_len].transpose(1, 2)
+        keys, values = self._gather(k_cache, g), self._gather(v_cache, g)
         queries = q.view(n, ql, self.num_heads, self.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask,
                                              is_causal=g.is_causal, scale=self.scale,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return out.transpose(1, 2).reshape(n * ql, self.num_heads * self.head_dim)
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, g) -> torch.Tensor:
+        if g.first_block is not None:
+            # Consecutive blocks (common for a lone request in a fresh pool): a view, no copy.
+            blocks = cache[g.first_block:g.first_block + g.kv_blocks.shape[1]].unsqueeze(0)
+        else:
+            blocks = cache[g.kv_blocks]
+        return blocks.flatten(1, 2)[:, :g.kv_len].transpose(1, 2)
