@@ -65,6 +65,7 @@ class EngineConfig:
     device: str | None = None
     seed: int = 0
     enable_chunked_prefill: bool = True
+    disable_log_stats: bool = False  # vLLM's switch: no Prometheus metrics (timelines are kept)
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1, 4096)

@@ -5,14 +5,20 @@ request owns a *block table*, the list of block ids holding its tokens in order,
 not be contiguous and grows one block at a time: no request reserves memory for tokens it has not
 produced yet, which is what lets many requests share one cache (the PagedAttention idea).
 
-Blocks carry a reference count so that, with prefix caching, several requests can point at the
-same full block of a shared prompt; a block returns to the free list when its count drops to zero.
-The free list is ordered oldest-freed first, the order in which cached blocks will be evicted.
+Automatic prefix caching: once a block is full, it gets a key that chains the previous block's
+key, its own token ids and the *extra keys* (model fingerprint and the request's ``cache_salt``).
+A later request whose prompt starts with the same tokens, for the same model and salt, points its
+block table at those blocks instead of recomputing them. Reference counts let many requests share
+a block; at zero the block goes back to the free list but keeps its contents and key, so it can be
+revived until the space is needed. Blocks that hold nothing reusable are handed out first; cached
+ones are evicted least recently used first.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -68,57 +74,151 @@ def allocate_kv_tensors(model: ModelConfig, spec: KVCacheSpec, dtype: torch.dtyp
             for _ in range(model.num_layers)]
 
 
+BlockKey = tuple  # (parent hash, extra-keys digest, token ids): the identity a hash stands for
+
+
+def block_hash(parent: bytes, extra: bytes, tokens: list[int]) -> bytes:
+    """SHA-256 of the parent block's hash, the extra keys and the block's token ids."""
+    return hashlib.sha256(parent + extra + array("q", tokens).tobytes()).digest()
+
+
+def extra_keys_digest(model_fingerprint: str, cache_salt: str | None) -> bytes:
+    """Requests share blocks only with the same model (weights, dtype, quantization) and salt."""
+    return hashlib.sha256(f"{model_fingerprint}\0{cache_salt or ''}".encode()).digest()
+
+
 class BlockPool:
-    """Block ids, their reference counts, and the free list."""
+    """Block ids, reference counts, the two free lists and the prefix-cache index."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self.ref_count = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.block_key: list[BlockKey | None] = [None] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> block holding those tokens
+        # Free blocks with nothing reusable are used first; free cached blocks are kept in
+        # least-recently-used order (oldest first) and evicted only when the plain ones run out.
+        self._free_plain: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free_plain) + len(self._free_cached)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} KV blocks, {len(self._free)} free")
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} KV blocks, {self.num_free} free")
         blocks = []
         for _ in range(n):
-            b, _ = self._free.popitem(last=False)
+            if self._free_plain:
+                b, _ = self._free_plain.popitem(last=False)
+            else:
+                b, _ = self._free_cached.popitem(last=False)
+                self._evict(b)
             self.ref_count[b] = 1
             blocks.append(b)
         return blocks
 
+    def _evict(self, b: int) -> None:
+        del self.cached[self.block_hash[b]]
+        self.block_hash[b] = self.block_key[b] = None
+        self.num_evictions += 1
+
     def release(self, blocks: list[int]) -> None:
-        # Freed in reverse so a request's tail blocks (least likely to be shared) are evicted first.
+        # Reversed, so a request's tail blocks (the least likely to be shared) are evicted first.
         for b in reversed(blocks):
             self.ref_count[b] -= 1
             assert self.ref_count[b] >= 0, f"block {b} released twice"
             if self.ref_count[b] == 0:
-                self._free[b] = None
+                (self._free_cached if self.block_hash[b] is not None else self._free_plain)[b] = None
+
+    def lookup(self, h: bytes, key: BlockKey) -> int | None:
+        """The cached block for hash ``h``, if its stored key really matches (no collision)."""
+        b = self.cached.get(h)
+        return b if b is not None and self.block_key[b] == key else None
+
+    def acquire(self, blocks: list[int]) -> None:
+        """Take a reference on cache hits, reviving blocks that sat in the free list."""
+        for b in blocks:
+            if self.ref_count[b] == 0:
+                del self._free_cached[b]
+            self.ref_count[b] += 1
+
+    def register(self, b: int, h: bytes, key: BlockKey) -> None:
+        """Publish a full block under its hash (first writer wins for duplicate content)."""
+        if h not in self.cached and self.block_hash[b] is None:
+            self.cached[h] = b
+            self.block_hash[b], self.block_key[b] = h, key
 
 
 class KVCacheManager:
-    """Per-request block tables on top of a :class:`BlockPool`."""
+    """Per-request block tables on top of a :class:`BlockPool`, and prefix-cache lookups."""
 
-    def __init__(self, spec: KVCacheSpec):
+    def __init__(self, spec: KVCacheSpec, enable_prefix_caching: bool = True, model_fingerprint: str = ""):
         self.spec = spec
         self.block_size = spec.block_size
         self.pool = BlockPool(spec.num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.model_fingerprint = model_fingerprint
         self.block_tables: dict[str, list[int]] = {}
+
+    # ---- prefix cache ------------------------------------------------------------------
+
+    def _hashes(self, req) -> list[tuple[bytes, BlockKey]]:
+        """(hash, key) of every full block of the request's known tokens, extended lazily."""
+        out = req.block_hashes
+        if req.extra_keys is None:
+            req.extra_keys = extra_keys_digest(self.model_fingerprint, req.cache_salt)
+        bs = self.block_size
+        for i in range(len(out), req.num_tokens // bs):
+            parent = out[-1][0] if out else b""
+            tokens = tuple(req.token_ids(i * bs, (i + 1) * bs))
+            out.append((block_hash(parent, req.extra_keys, list(tokens)), (parent, req.extra_keys, tokens)))
+        return out
+
+    def find_cached_prefix(self, req) -> list[int]:
+        """Blocks holding the longest cached prefix of the request. At least the last token is
+        always left to compute: its logits are needed to sample the next token."""
+        if not self.enable_prefix_caching:
+            return []
+        blocks = []
+        for h, key in self._hashes(req)[:(req.num_tokens - 1) // self.block_size]:
+            b = self.pool.lookup(h, key)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def cache_full_blocks(self, req) -> None:
+        """After a step: publish the request's blocks that are now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables.get(req.request_id, [])
+        full = min(req.num_computed_tokens // self.block_size, len(table))
+        hashes = self._hashes(req)
+        for i in range(req.num_registered_blocks, full):
+            self.pool.register(table[i], *hashes[i])
+        req.num_registered_blocks = max(req.num_registered_blocks, full)
+
+    # ---- block tables --------------------------------------------------------------------
 
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         have = len(self.block_tables.get(request_id, ()))
         return max(0, -(-num_tokens // self.block_size) - have)
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
-        """Grow the request's table to hold ``num_tokens`` tokens in all. False (and no change)
-        when the pool cannot supply the blocks: the scheduler then preempts or waits."""
-        need = self.blocks_needed(request_id, num_tokens)
-        if need > self.pool.num_free:
+    def allocate_slots(self, request_id: str, num_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Grow the request's table to hold ``num_tokens`` tokens in all, starting with
+        ``cached_blocks`` (prefix hits) if given. False, with nothing changed, when the pool
+        cannot supply the blocks: the scheduler then preempts or waits."""
+        need = self.blocks_needed(request_id, num_tokens) - len(cached_blocks)
+        revived = sum(1 for b in cached_blocks if self.pool.ref_count[b] == 0)
+        if need + revived > self.pool.num_free:
             return False
-        self.block_tables.setdefault(request_id, []).extend(self.pool.allocate(need))
+        self.pool.acquire(list(cached_blocks))  # before allocate, so hits cannot be evicted
+        table = self.block_tables.setdefault(request_id, [])
+        table.extend(cached_blocks)
+        table.extend(self.pool.allocate(max(0, need)))
         return True
 
     def free(self, request_id: str) -> None:
@@ -129,5 +229,6 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use (vLLM's kv_cache_usage_perc: 1.0 = full)."""
+        """Fraction of blocks in use (vLLM's kv_cache_usage_perc: 1.0 = full). Free blocks that
+        still hold cached prefixes count as free: they are reclaimable at any moment."""
         return 1.0 - self.pool.num_free / self.pool.num_blocks

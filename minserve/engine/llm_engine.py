@@ -8,6 +8,8 @@ stream them) are returned together with a :class:`StepStats` record.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -19,7 +21,7 @@ from minserve.engine.output_processor import OutputProcessor
 from minserve.engine.request import Request, RequestStatus
 from minserve.engine.sampler import make_generator
 from minserve.engine.scheduler import Scheduler
-from minserve.models.loader import load_model
+from minserve.models.loader import LoadedModel, load_model
 from minserve.outputs import RequestOutput
 from minserve.sampling_params import SamplingParams
 
@@ -37,6 +39,8 @@ class StepStats:
     num_waiting: int
     kv_cache_usage: float         # fraction of blocks in use after the step
     num_preemptions: int          # in this step
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache in this step
+    prefix_cache_hits: int = 0     # of those, tokens found cached
 
 
 class LLMEngine:
@@ -50,7 +54,8 @@ class LLMEngine:
         self.kv_spec = plan_kv_cache(loaded.config, config)
         self.max_model_len = self._resolve_max_model_len(loaded.config.max_position_embeddings)
         self.runner = ModelRunner(loaded, config, self.kv_spec, self.max_model_len)
-        self.kv = KVCacheManager(self.kv_spec)
+        self.model_fingerprint = model_fingerprint(loaded, config.dtype)
+        self.kv = KVCacheManager(self.kv_spec, config.enable_prefix_caching, self.model_fingerprint)
         self.scheduler = Scheduler(config, self.kv)
         self.start_s = time.perf_counter()
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len,
@@ -88,6 +93,8 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -159,6 +166,7 @@ class LLMEngine:
         for s in sched.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(req)
             tok = sampled.get(req.request_id)
             if tok is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
@@ -181,7 +189,8 @@ class LLMEngine:
             step=len(self.step_stats), start_s=t0 - self.start_s, step_time_s=now - t0,
             num_prefill_tokens=sched.num_prefill_tokens, num_decode_tokens=sched.num_decode_tokens,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.kv.usage, num_preemptions=preemptions))
+            kv_cache_usage=self.kv.usage, num_preemptions=preemptions,
+            prefix_cache_queries=sched.prefix_cache_queries, prefix_cache_hits=sched.prefix_cache_hits))
 
     @property
     def last_step_stats(self) -> StepStats | None:
@@ -189,3 +198,12 @@ class LLMEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+
+def model_fingerprint(loaded: LoadedModel, dtype: str, quantization: str = "none") -> str:
+    """What makes cached K/V reusable: the model's config, its weight files (names and sizes), the
+    dtype and the quantization. Part of every prefix-cache key, so blocks computed by one model
+    can never be served to another."""
+    files = sorted((f.name, f.stat().st_size) for f in loaded.path.glob("*.safetensors"))
+    text = json.dumps([loaded.hf_config, files, dtype, quantization], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

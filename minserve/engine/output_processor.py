@@ -73,7 +73,7 @@ class OutputProcessor:
         completion = CompletionOutput(0, text, list(token_ids), cum, logprobs, req.finish_reason,
                                       req.stop_reason)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                             req.finished, self.metrics(req))
+                             req.finished, self.metrics(req), num_cached_tokens=req.num_cached_tokens)
 
     def _logprob_dicts(self, req: Request) -> list[dict[int, Logprob]]:
         out = []

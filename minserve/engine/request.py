@@ -74,6 +74,12 @@ class Request:
     num_preemptions: int = 0
     sent_text_len: int = 0                # for DELTA outputs: how much text was already returned
     sent_tokens_len: int = 0
+    # Prefix caching: (hash, key) of each full block of known tokens, the digest of the extra keys,
+    # how many of the current table's blocks are published, and the hit tokens at first admission.
+    block_hashes: list = field(default_factory=list)
+    extra_keys: bytes | None = None
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
     timeline: RequestTimeline = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:

@@ -10,6 +10,8 @@ Order inside a step, and why:
    never stalls streams already in flight (it only shares the step with them).
 2. Running requests still in prefill: their next chunk, as large as the remaining budget allows.
 3. Waiting requests, oldest first (preempted ones at the front), while budget, seats and blocks last.
+   On admission the prefix cache is consulted: cached blocks join the request's block table and
+   only the tokens after them are computed.
 
 When the KV pool runs dry the newest running request is preempted: its blocks go back to the pool
 and it returns to the front of the queue to be recomputed later (prompt plus what it has generated
@@ -44,6 +46,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    prefix_cache_queries: int = 0   # tokens of admitted requests looked up in the prefix cache
+    prefix_cache_hits: int = 0      # of those, tokens found cached (prefill work skipped)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -116,7 +120,8 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0     # recompute: its K/V is gone
+        req.num_computed_tokens = 0     # recompute: its K/V is gone (cached blocks may survive)
+        req.num_registered_blocks = 0
         req.num_preemptions += 1
         req.timeline.preempted_s.append(time.perf_counter())
         self.num_preemptions += 1
@@ -125,17 +130,25 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            remaining = req.num_tokens - req.num_computed_tokens
+            cached = self.kv.find_cached_prefix(req)
+            hit = len(cached) * self.kv.block_size
+            remaining = req.num_tokens - hit
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
                 break
-            if not self.kv.allocate_slots(req.request_id, n):
+            if not self.kv.allocate_slots(req.request_id, hit + n, cached):
                 break  # wait for running requests to finish and free blocks
             self.waiting.popleft()
+            if self.kv.enable_prefix_caching:
+                out.prefix_cache_queries += req.num_tokens
+                out.prefix_cache_hits += hit
+            if not req.timeline.scheduled_s:
+                req.num_cached_tokens = hit
+            req.num_computed_tokens = hit
             req.status = RequestStatus.RUNNING
             req.timeline.scheduled_s.append(time.perf_counter())
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n, 0))
+            out.scheduled.append(ScheduledRequest(req, n, hit))
             budget -= n
 
     def finish(self, req: Request, status: RequestStatus) -> None:

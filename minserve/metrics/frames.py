@@ -1,0 +1,131 @@
+"""Requests and steps as pandas DataFrames, for plotting and answering lab questions.
+
+The frames are built from the same records the Prometheus metrics come from (request timelines and
+per-step StepStats), so a histogram on the dashboard and a ``df.ttft_s.describe()`` in a notebook
+agree. The latency definitions are those in :mod:`minserve.metrics.prometheus`.
+
+pandas is imported inside the functions: it is an optional extra for the labs, and the engine must
+import without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from minserve.engine.llm_engine import StepStats
+    from minserve.engine.request import Request
+
+NAN = math.nan
+
+REQUEST_COLUMNS = [
+    "request_id", "status", "finish_reason", "prompt_tokens", "output_tokens", "cached_tokens",
+    "num_preemptions", "arrival_s", "first_scheduled_s", "first_token_s", "finished_s",
+    "queue_s", "ttft_s", "prefill_s", "decode_s", "e2e_s", "tpot_s", "itl_mean_s", "itl_max_s",
+    "token_times_s",
+]
+
+
+def _rel(t: float | None, t0_s: float) -> float:
+    return NAN if t is None else t - t0_s
+
+
+def _diff(a: float | None, b: float | None) -> float:
+    return NAN if a is None or b is None else a - b
+
+
+def requests_frame(requests: Iterable[Request], t0_s: float) -> pd.DataFrame:
+    """One row per request.
+
+    ``t0_s`` is the engine's start (``engine.start_s``, perf_counter seconds); every ``*_s`` time
+    column is seconds since then, so requests line up with :func:`steps_frame`. NaN marks what is
+    undefined (no token yet, never scheduled, still running).
+
+    Columns:
+      request_id; status (``waiting``, ``running``, ``preempted``, ``stop``, ``length``, ``abort``,
+      ``error``); finish_reason (the final status, None while unfinished);
+      prompt_tokens, output_tokens; cached_tokens (prompt tokens served from the prefix cache, 0
+      when the request does not record it); num_preemptions;
+      arrival_s, first_scheduled_s, first_token_s, finished_s (events, since t0_s);
+      queue_s = first scheduled - arrival; ttft_s = first token - arrival;
+      prefill_s = first token - first scheduled; decode_s = last token - first token;
+      e2e_s = finished - arrival;
+      tpot_s = decode_s / (output tokens - 1), for two or more tokens: this request's mean gap
+      between tokens (so it equals itl_mean_s; the pooled ITL histogram instead weights every gap
+      equally, so long requests count more there);
+      itl_mean_s, itl_max_s: mean and largest gap between consecutive tokens (a preemption shows
+      as a large itl_max_s);
+      token_times_s: list of each output token's time, since t0_s.
+    """
+    import pandas as pd
+
+    rows = []
+    for req in requests:
+        tl = req.timeline
+        times = tl.token_s
+        n = len(times)
+        first_sched = tl.first_scheduled_s
+        first_tok = times[0] if n else None
+        last_tok = times[-1] if n else None
+        if n >= 2:
+            gaps = [b - a for a, b in zip(times, times[1:])]
+            itl_mean, itl_max = sum(gaps) / len(gaps), max(gaps)
+            tpot = (last_tok - first_tok) / (n - 1)
+        else:
+            itl_mean = itl_max = tpot = NAN
+        rows.append({
+            "request_id": req.request_id,
+            "status": req.status.value,
+            "finish_reason": req.finish_reason,
+            "prompt_tokens": len(req.prompt_token_ids),
+            "output_tokens": len(req.output_token_ids),
+            "cached_tokens": getattr(req, "num_cached_tokens", 0) or 0,
+            "num_preemptions": req.num_preemptions,
+            "arrival_s": tl.arrival_s - t0_s,
+            "first_scheduled_s": _rel(first_sched, t0_s),
+            "first_token_s": _rel(first_tok, t0_s),
+            "finished_s": _rel(tl.finished_s, t0_s),
+            "queue_s": _diff(first_sched, tl.arrival_s),
+            "ttft_s": _diff(first_tok, tl.arrival_s),
+            "prefill_s": _diff(first_tok, first_sched),
+            "decode_s": _diff(last_tok, first_tok),
+            "e2e_s": _diff(tl.finished_s, tl.arrival_s),
+            "tpot_s": tpot,
+            "itl_mean_s": itl_mean,
+            "itl_max_s": itl_max,
+            "token_times_s": [t - t0_s for t in times],
+        })
+    return pd.DataFrame(rows, columns=REQUEST_COLUMNS)
+
+
+def _step_fields() -> list[str]:
+    from minserve.engine.llm_engine import StepStats
+    return [f.name for f in dataclasses.fields(StepStats)]
+
+
+def steps_frame(steps: Iterable[StepStats]) -> pd.DataFrame:
+    """One row per engine step (``engine.step_stats``).
+
+    Columns: every StepStats field, as recorded —
+      step (index), start_s (seconds since engine start), step_time_s (wall time of the step),
+      num_prefill_tokens, num_decode_tokens (tokens computed, by kind), num_running, num_waiting
+      (queue lengths after the step), kv_cache_usage (fraction of KV blocks in use after the step,
+      1.0 = full), num_preemptions (in this step), and the prefix-cache token counts of the step
+      when the engine records them —
+    plus end_s = start_s + step_time_s and tokens = num_prefill_tokens + num_decode_tokens
+    (the step's batch size in tokens; tokens / step_time_s is its throughput).
+    """
+    import pandas as pd
+
+    rows = [dataclasses.asdict(s) if dataclasses.is_dataclass(s) else dict(vars(s)) for s in steps]
+    if not rows:
+        # Keep the columns of an empty run so notebook code (df.tokens.sum()) still works.
+        return pd.DataFrame(columns=_step_fields() + ["end_s", "tokens"])
+    df = pd.DataFrame(rows)
+    df["end_s"] = df["start_s"] + df["step_time_s"]
+    df["tokens"] = df["num_prefill_tokens"] + df["num_decode_tokens"]
+    return df

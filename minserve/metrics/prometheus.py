@@ -1,0 +1,240 @@
+"""Prometheus metrics with vLLM's names, so a Grafana dashboard or a scrape script built for vLLM's
+``/metrics`` reads a minserve engine unchanged.
+
+Each :class:`EngineMetrics` owns its own ``CollectorRegistry``: registering on prometheus_client's
+global default registry would make a second engine in the same notebook fail with "Duplicated
+timeseries". Every series carries the label ``model_name``.
+
+How each latency is measured (all from the request's timeline, perf_counter seconds):
+
+- TTFT (``vllm:time_to_first_token_seconds``): first output token minus arrival. It contains the
+  wait in the queue and the whole prefill, so it is what a user feels before anything appears.
+- ITL (``vllm:inter_token_latency_seconds``): the gap between a token and the one before it of the
+  same request, observed as each token (from the second on) arrives. A preemption shows up here
+  as one long gap (the recompute), which is exactly what the streaming client saw.
+- TPOT (``vllm:request_time_per_output_token_seconds``): (last token - first token) / (output
+  tokens - 1), one value per finished request with at least two tokens: the mean of its ITLs. A
+  request retires in the step of its last token, so this is (E2E - TTFT) / (tokens - 1) up to
+  that step's bookkeeping; measuring to the last token (as vLLM and ``RequestOutput.metrics`` do)
+  keeps an abort that comes long after the last token from inflating it.
+- E2E (``vllm:e2e_request_latency_seconds``): finished minus arrival.
+- queue (``vllm:request_queue_time_seconds``): first admission to the running set minus arrival.
+- prefill (``vllm:request_prefill_time_seconds``): first token minus first admission.
+- decode (``vllm:request_decode_time_seconds``): last token minus first token.
+
+Token counters: ``vllm:prompt_tokens`` grows by a request's whole prompt length once, when its
+first token appears (like vLLM, prefix-cache hits are included; chunks and recomputes are not
+counted twice); ``vllm:generation_tokens`` grows by one per sampled token. The per-request token
+histograms and the request-level latencies are observed when a request finishes, whatever the
+reason (an aborted request that never got a token observes E2E and, if it was scheduled, queue
+time; the phases it never reached are skipped). ``vllm:iteration_tokens_total`` takes one sample
+per engine step: the prefill plus decode tokens the step computed.
+
+Buckets are vLLM's own boundaries, so SLO rules written against ``le="..."`` series of a vLLM
+server keep meaning the same thing here.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# vLLM's boundaries (vllm/v1/metrics/loggers.py). TTFT spans 1 ms .. 43 min; per-token latencies
+# 10 ms .. 80 s (a CPU decode step is ~10-200 ms, so they land in the middle); request-level
+# latencies 0.3 s .. 2 h.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+PER_TOKEN_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                     7.5, 10.0, 20.0, 40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+class EngineMetrics:
+    """The ``vllm:*`` series of one engine, fed once per step by :meth:`record_step`.
+
+    ``enabled=False`` (the engine's ``disable_log_stats=True``) makes every method return at once;
+    the registry still exists (empty of samples) so a server's ``/metrics`` route keeps working.
+    ``max_model_len`` only sizes the token-count histograms (vLLM does the same).
+    """
+
+    def __init__(self, model_name: str, enabled: bool = True, max_model_len: int = 8192):
+        self.model_name = model_name
+        self.enabled = enabled
+        self.registry = CollectorRegistry()
+        if not enabled:
+            return
+        # Counters are named without "_total": prometheus_client appends it in the exposition,
+        # giving exactly vLLM's "vllm:prompt_tokens_total".
+        labels = ["model_name"]
+        reg = self.registry
+
+        def gauge(name: str, doc: str):
+            return Gauge(name, doc, labels, registry=reg).labels(model_name)
+
+        def counter(name: str, doc: str):
+            return Counter(name, doc, labels, registry=reg).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
+
+        # The labelled children are resolved once here: .labels() hashes and locks on every call,
+        # which the per-step path should not pay.
+        self._running = gauge("vllm:num_requests_running", "Number of requests in the running set.")
+        self._waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to run.")
+        self._kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self._pc_queries = counter("vllm:prefix_cache_queries",
+                                   "Prefix cache queries, in terms of number of queried tokens.")
+        self._pc_hits = counter("vllm:prefix_cache_hits",
+                                "Prefix cache hits, in terms of number of cached tokens.")
+        self._preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self._prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self._generation_tokens = counter("vllm:generation_tokens",
+                                          "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of finished requests by finish reason.",
+                          labels + ["finished_reason"], registry=reg)
+        self._success = {r: success.labels(model_name, r) for r in FINISHED_REASONS}
+
+        tok_buckets = build_1_2_5_buckets(max_model_len)
+        self._ttft = histogram("vllm:time_to_first_token_seconds",
+                               "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self._itl = histogram("vllm:inter_token_latency_seconds",
+                              "Histogram of inter-token latency in seconds.", PER_TOKEN_BUCKETS)
+        self._tpot = histogram("vllm:request_time_per_output_token_seconds",
+                               "Histogram of time per output token in seconds (per request).",
+                               PER_TOKEN_BUCKETS)
+        self._e2e = histogram("vllm:e2e_request_latency_seconds",
+                              "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS)
+        self._queue = histogram("vllm:request_queue_time_seconds",
+                                "Histogram of time spent in WAITING phase for request.",
+                                REQUEST_LATENCY_BUCKETS)
+        self._prefill = histogram("vllm:request_prefill_time_seconds",
+                                  "Histogram of time spent in PREFILL phase for request.",
+                                  REQUEST_LATENCY_BUCKETS)
+        self._decode = histogram("vllm:request_decode_time_seconds",
+                                 "Histogram of time spent in DECODE phase for request.",
+                                 REQUEST_LATENCY_BUCKETS)
+        self._req_prompt = histogram("vllm:request_prompt_tokens",
+                                     "Number of prefill tokens processed.", tok_buckets)
+        self._req_generation = histogram("vllm:request_generation_tokens",
+                                         "Number of generation tokens processed.", tok_buckets)
+        self._iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                           "Histogram of number of tokens per engine_step.",
+                                           ITERATION_TOKENS_BUCKETS)
+
+    # ---- recording (engine hot path) -----------------------------------------------------------
+
+    def record_step(self, stats, sampled: list, finished: list) -> None:
+        """Record one engine step.
+
+        ``stats`` is the step's StepStats; ``sampled`` the requests that got one new output token
+        this step (its time is ``timeline.token_s[-1]``); ``finished`` the requests retired this
+        step (final status, ``timeline.finished_s`` set). A request may be in both lists.
+        """
+        if not self.enabled:
+            return
+        self._running.set(stats.num_running)
+        self._waiting.set(stats.num_waiting)
+        self._kv_usage.set(stats.kv_cache_usage)
+        if stats.num_preemptions:
+            self._preemptions.inc(stats.num_preemptions)
+        # getattr: older StepStats records have no prefix-cache fields.
+        queries = getattr(stats, "prefix_cache_queries", 0)
+        if queries:
+            self._pc_queries.inc(queries)
+            self._pc_hits.inc(getattr(stats, "prefix_cache_hits", 0))
+        self._iteration_tokens.observe(stats.num_prefill_tokens + stats.num_decode_tokens)
+
+        if sampled:
+            self._generation_tokens.inc(len(sampled))
+            for req in sampled:
+                times = req.timeline.token_s
+                if len(times) == 1:
+                    # The first token: TTFT, and the prompt is counted now, once. A recompute after
+                    # preemption samples a later token, so it never lands here twice.
+                    self._ttft.observe(times[0] - req.timeline.arrival_s)
+                    self._prompt_tokens.inc(len(req.prompt_token_ids))
+                elif times:
+                    self._itl.observe(times[-1] - times[-2])
+        for req in finished:
+            self._record_finished(req, req.status.value)
+
+    def record_abort(self, request) -> None:
+        """A request aborted outside a step (``abort_request``): count it under ``abort`` and
+        observe whatever latencies it reached."""
+        if not self.enabled:
+            return
+        self._record_finished(request, "abort")
+
+    def _record_finished(self, req, reason: str) -> None:
+        counter = self._success.get(reason)
+        if counter is None:  # not a final status; nothing to record
+            return
+        counter.inc()
+        tl = req.timeline
+        arrival = tl.arrival_s
+        times = tl.token_s
+        end = tl.finished_s if tl.finished_s is not None else (times[-1] if times else None)
+        if end is not None:
+            self._e2e.observe(end - arrival)
+        first_sched = tl.scheduled_s[0] if tl.scheduled_s else None
+        if first_sched is not None:
+            self._queue.observe(first_sched - arrival)
+        n = len(times)
+        if n:
+            first, last = times[0], times[-1]
+            if first_sched is not None:
+                self._prefill.observe(first - first_sched)
+            self._decode.observe(last - first)
+            if n >= 2:
+                self._tpot.observe((last - first) / (n - 1))
+        self._req_prompt.observe(len(req.prompt_token_ids))
+        self._req_generation.observe(len(req.output_token_ids))
+
+    # ---- reading ---------------------------------------------------------------------------------
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of this engine's registry (what ``/metrics`` serves)."""
+        return generate_latest(self.registry)
+
+    def snapshot(self) -> dict[str, float]:
+        """Current values for notebooks and tests, keyed by vLLM name.
+
+        Gauges and counters under their name (counters without the ``_total`` suffix), histograms
+        as ``{name}_count`` and ``{name}_sum``. ``vllm:request_success`` is the total over reasons,
+        and each reason is also given as ``vllm:request_success{finished_reason="stop"}`` etc.
+        """
+        out: dict[str, float] = {}
+        for family in self.registry.collect():
+            name = family.name
+            if family.type == "gauge":
+                for s in family.samples:
+                    out[name] = s.value
+            elif family.type == "counter":
+                total = 0.0
+                for s in family.samples:
+                    if not s.name.endswith("_total"):
+                        continue  # the _created timestamp
+                    total += s.value
+                    reason = s.labels.get("finished_reason")
+                    if reason is not None:
+                        out[f'{name}{{finished_reason="{reason}"}}'] = s.value
+                out[name] = total
+            elif family.type == "histogram":
+                for s in family.samples:
+                    if s.name.endswith("_count") or s.name.endswith("_sum"):
+                        out[s.name] = s.value
+        return out
