@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from minserve.config import EngineConfig
@@ -21,11 +22,13 @@ from minserve.engine.output_processor import OutputProcessor
 from minserve.engine.request import Request, RequestStatus
 from minserve.engine.sampler import make_generator
 from minserve.engine.scheduler import Scheduler
+from minserve.metrics import EngineMetrics, requests_frame, steps_frame
 from minserve.models.loader import LoadedModel, load_model
 from minserve.outputs import RequestOutput
 from minserve.sampling_params import SamplingParams
 
 log = logging.getLogger("minserve")
+MAX_FINISHED_KEPT = 100_000  # timelines kept for requests_frame(); bounded for long-running servers
 
 
 @dataclass
@@ -65,7 +68,10 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
         self.requests: dict[str, Request] = {}
+        self.finished_requests: deque[Request] = deque(maxlen=MAX_FINISHED_KEPT)  # for requests_frame
         self.step_stats: list[StepStats] = []
+        self.metrics = EngineMetrics(config.model, enabled=not config.disable_log_stats,
+                                     max_model_len=self.max_model_len)
         self.load_time_s = time.perf_counter() - t0
         log.info("engine ready in %.1f s: %s, max_model_len %d", self.load_time_s, config.model,
                  self.max_model_len)
@@ -137,9 +143,10 @@ class LLMEngine:
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests now; their KV blocks return to the pool immediately. Unknown ids are ignored."""
         for rid in [request_id] if isinstance(request_id, str) else request_id:
-            req = self.requests.pop(str(rid), None)
+            req = self.requests.get(str(rid))
             if req is not None and not req.finished:
-                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                self._retire(req, RequestStatus.FINISHED_ABORTED)
+                self.metrics.record_abort(req)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -159,10 +166,12 @@ class LLMEngine:
             sampled = self.runner.execute(sched, self.kv)
         except Exception:
             # Fail the step's requests cleanly (blocks back in the pool), then surface the error.
-            for s in sched.scheduled:
-                self._retire(s.request, RequestStatus.FINISHED_ERROR)
+            failed = [s.request for s in sched.scheduled]
+            for req in failed:
+                self._retire(req, RequestStatus.FINISHED_ERROR)
+            self.metrics.record_step(self._record_step(t0, sched, 0), [], failed)
             raise
-        outputs = []
+        outputs, got_token, finished = [], [], []
         for s in sched.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
@@ -170,20 +179,24 @@ class LLMEngine:
             tok = sampled.get(req.request_id)
             if tok is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
+            got_token.append(req)
             status = self.output_processor.append_token(req, tok.token_id, tok.logprobs, tok.rank)
             if status is not None:
                 self._retire(req, status)
+                finished.append(req)
             out = self.output_processor.make_output(req)
             if out is not None:
                 outputs.append(out)
-        self._record_step(t0, sched, self.scheduler.num_preemptions - preempted_before)
+        stats = self._record_step(t0, sched, self.scheduler.num_preemptions - preempted_before)
+        self.metrics.record_step(stats, got_token, finished)
         return outputs
 
     def _retire(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish(req, status)
         self.requests.pop(req.request_id, None)
+        self.finished_requests.append(req)
 
-    def _record_step(self, t0: float, sched, preemptions: int) -> None:
+    def _record_step(self, t0: float, sched, preemptions: int) -> StepStats:
         now = time.perf_counter()
         self.step_stats.append(StepStats(
             step=len(self.step_stats), start_s=t0 - self.start_s, step_time_s=now - t0,
@@ -191,6 +204,7 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.kv.usage, num_preemptions=preemptions,
             prefix_cache_queries=sched.prefix_cache_queries, prefix_cache_hits=sched.prefix_cache_hits))
+        return self.step_stats[-1]
 
     @property
     def last_step_stats(self) -> StepStats | None:
@@ -198,6 +212,21 @@ class LLMEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    # ---- observability (for notebooks; the Prometheus registry is ``self.metrics.registry``) ----
+
+    def requests_frame(self):
+        """One row per request (finished ones, then those still in flight): timeline in seconds
+        from engine start, TTFT, TPOT, ITL, queue / prefill / decode times. See metrics.frames."""
+        return requests_frame(list(self.finished_requests) + list(self.requests.values()), self.start_s)
+
+    def steps_frame(self):
+        """One row per engine step: tokens, batch composition, KV usage, prefix hits, preemptions."""
+        return steps_frame(self.step_stats)
+
+    def snapshot(self) -> dict[str, float]:
+        """Current gauges and counter totals by vLLM metric name."""
+        return self.metrics.snapshot()
 
 
 def model_fingerprint(loaded: LoadedModel, dtype: str, quantization: str = "none") -> str:
