@@ -1,0 +1,52 @@
+"""`minserve` command line: serve | bench serve | generate.
+
+Subcommands import their modules lazily, so `minserve generate` does not pay for FastAPI and
+`minserve serve` does not pay for the load generator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _generate(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="minserve generate", description="Generate text for prompts.")
+    ap.add_argument("prompts", nargs="+")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=None)
+    a = ap.parse_args(argv)
+    from minserve import LLM, SamplingParams
+    llm = LLM(a.model)
+    params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed)
+    for out in llm.generate(a.prompts, params):
+        print(f"{out.prompt!r} -> {out.outputs[0].text!r}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: minserve {serve,bench serve,generate} [options]  (-h after a command for its options)"
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "serve":
+        from minserve.server.cli import main as serve_main
+        return serve_main(rest)
+    if cmd == "bench":
+        if not rest or rest[0] != "serve":
+            print("usage: minserve bench serve [options]", file=sys.stderr)
+            return 2
+        from minserve.bench.cli import main as bench_main
+        return bench_main(rest[1:])
+    if cmd == "generate":
+        return _generate(rest)
+    print(f"unknown command {cmd!r}\n{usage}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
