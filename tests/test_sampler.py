@@ -25,9 +25,12 @@ def _batch(params: list[SamplingParams], banned: list[list[int]] | None = None,
 
 
 def _target(logits: list[float], p: SamplingParams) -> list[float]:
-    """Exact (float64) distribution after temperature, top-k, top-p, min-p, in that order."""
+    """Exact (float64) distribution after temperature, min-p, top-k, top-p (vLLM V1's order)."""
     z = [x / p.temperature for x in logits]
+    full = _softmax(z)
+    z = [x if q >= p.min_p * max(full) else -math.inf for x, q in zip(z, full)]
     order = sorted(range(len(z)), key=lambda i: -z[i])
+    order = [i for i in order if z[i] != -math.inf]
     keep = set(order[:p.top_k] if p.top_k > 0 else order)
     probs = _softmax([z[i] if i in keep else -math.inf for i in range(len(z))])
     above = 0.0  # mass of tokens strictly more likely than the current one
@@ -37,11 +40,7 @@ def _target(logits: list[float], p: SamplingParams) -> list[float]:
         # A top_p sitting on a cumulative boundary would make the test depend on rounding.
         assert abs(above - p.top_p) > 1e-3 or p.top_p == 1.0
         above += probs[i]
-    probs = _softmax([z[i] if i in keep else -math.inf for i in range(len(z))])
-    top = max(probs)
-    probs = [q if q >= p.min_p * top else 0.0 for q in probs]
-    total = sum(probs)
-    return [q / total for q in probs]
+    return _softmax([z[i] if i in keep else -math.inf for i in range(len(z))])
 
 
 def _softmax(z: list[float]) -> list[float]:

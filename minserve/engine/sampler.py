@@ -7,9 +7,8 @@ operations follows vLLM V1:
    so they describe what the model thinks, not what the sampler was allowed to pick;
 2. banned tokens (``min_tokens``: EOS and stop ids until enough tokens exist) are set to -inf;
 3. greedy rows take the argmax;
-4. random rows: divide by temperature, keep top-k, then top-p, then min-p, then draw.
-   (Recent vLLM V1 applies min_p before top-k/top-p; the two orders differ only when min_p and
-   top_p are both set, since top-p then sees a different renormalized distribution.)
+4. random rows: divide by temperature, drop tokens below min-p, keep top-k, then top-p, then
+   draw (vLLM V1's order: min-p first, so top-p measures its mass over what min-p kept).
 
 The draw uses the exponential race: with ``q_i ~ Exp(1)`` independent, ``argmax_i p_i / q_i`` is
 distributed exactly as ``Categorical(p)`` (``q_i / p_i ~ Exp(p_i)``, and the smallest of
@@ -20,6 +19,8 @@ batch.
 """
 
 from __future__ import annotations
+
+import math
 
 from dataclasses import dataclass
 
@@ -109,9 +110,9 @@ class Sampler:
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
                              device=logits.device)
         logits.div_(temps.unsqueeze(1))
+        _apply_min_p(logits, params)
         _apply_top_k_top_p(logits, params)
         probs = logits.softmax(dim=-1)
-        _apply_min_p(probs, params)
         q = self._exponentials(probs, generators)
         # No renormalization needed anywhere above: the race is invariant to scaling a row.
         return probs.div_(q).argmax(dim=-1)
@@ -233,20 +234,16 @@ def _truncate_rows(logits: torch.Tensor, rows: list[int], window: int, is_top_k:
     return [rows[i] for i in range(len(rows)) if i not in kept]
 
 
-def _apply_min_p(probs: torch.Tensor, params: list[SamplingParams]) -> None:
-    """In place: zero the probabilities below ``min_p * max(prob)`` of each row that sets min_p.
-
-    The ratio to the top probability does not change when top-k/top-p renormalize, so applying it
-    after them keeps exactly the tokens with p_i >= min_p * p_max under the temperature-scaled
-    distribution (restricted to the top-k/top-p set).
-    """
+def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """In place: drop tokens whose probability is below ``min_p * max(prob)`` in each row that
+    sets min_p. In logit space that is ``logit < max_logit + log(min_p)``: no softmax needed."""
     rows = [j for j, p in enumerate(params) if p.min_p > 0.0]
     if not rows:
         return
-    sub = probs[rows]
-    min_p = torch.tensor([params[j].min_p for j in rows], dtype=sub.dtype, device=sub.device)
-    threshold = sub.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    probs[rows] = sub.masked_fill_(sub < threshold, 0.0)
+    sub = logits[rows]
+    log_min_p = torch.tensor([math.log(params[j].min_p) for j in rows], dtype=sub.dtype, device=sub.device)
+    threshold = sub.amax(dim=-1, keepdim=True) + log_min_p.unsqueeze(1)
+    logits[rows] = sub.masked_fill_(sub < threshold, float("-inf"))
 
 
 def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
