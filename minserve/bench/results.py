@@ -1,0 +1,168 @@
+"""Bench results: one object for notebooks, one JSON file per run, and the printed report.
+
+The JSON file holds vLLM's keys (see :func:`minserve.bench.metrics.result_dict`) plus two of ours,
+so latency can be plotted against what the server was doing at the time:
+- ``requests``: one record per request (ids, planned and actual send time, TTFT, ITL list, TPOT,
+  E2EL, input / output lengths, success, error), times in seconds from the start of the run;
+- ``server_metrics_timeseries``: the server's ``/metrics`` sampled during the run (HTTP backend),
+  or ``engine_steps``: the engine's per-step records (in-process backend).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from minserve.bench.metrics import (METRIC_NAMES, RequestRecord, calculate_metrics,
+                                    percentile_key, result_dict)
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+REQUEST_COLUMNS = ["request_id", "scenario", "scheduled_s", "send_s", "prompt_len",
+                   "expected_output_len", "output_len", "ttft_s", "tpot_s", "itl_s", "e2el_s",
+                   "finish_s", "success", "error"]
+
+
+@dataclass
+class BenchOptions:
+    """How to offer load and what to report; shared by both backends (vLLM's flag meanings)."""
+    request_rate: float = float("inf")
+    burstiness: float = 1.0
+    seed: int = 0
+    max_concurrency: int | None = None
+    ignore_eos: bool = False
+    disable_tqdm: bool = True
+    percentile_metrics: list[str] = field(default_factory=lambda: ["ttft", "tpot", "itl"])
+    metric_percentiles: list[float] = field(default_factory=lambda: [99.0])
+    goodput: dict[str, float] = field(default_factory=dict)   # SLOs in ms
+
+
+@dataclass
+class BenchResult:
+    summary: dict                              # vLLM's result keys
+    requests: "pd.DataFrame"                   # one row per request (REQUEST_COLUMNS)
+    steps: "pd.DataFrame | None" = None        # engine steps (in-process backend)
+    server_metrics: "pd.DataFrame | None" = None  # /metrics time series (HTTP backend)
+
+    def to_json(self) -> dict:
+        out = dict(self.summary)
+        out["requests"] = _records(self.requests)
+        if self.server_metrics is not None:
+            out["server_metrics_timeseries"] = _records(self.server_metrics)
+        if self.steps is not None:
+            out["engine_steps"] = _records(self.steps)
+        return out
+
+
+def _records(df) -> list[dict]:
+    """DataFrame rows as JSON-safe dicts (NaN -> null: strict JSON has no NaN)."""
+    def clean(v):
+        if isinstance(v, float) and math.isnan(v):
+            return None
+        return v.item() if hasattr(v, "item") else v
+    return [{k: clean(v) for k, v in row.items()} for row in df.to_dict(orient="records")]
+
+
+def requests_frame(records: list[RequestRecord], lens: list[int], t0: float) -> "pd.DataFrame":
+    """One row per request; times in seconds, ``send_s``/``finish_s`` relative to ``t0``."""
+    import pandas as pd
+    rows = []
+    for rec, n in zip(records, lens):
+        ok = rec.success
+        rows.append({
+            "request_id": rec.request_id, "scenario": rec.scenario, "scheduled_s": rec.scheduled_s,
+            "send_s": rec.start_time - t0, "prompt_len": rec.prompt_len,
+            "expected_output_len": rec.expected_output_len, "output_len": n,
+            "ttft_s": rec.ttft if ok else math.nan,
+            "tpot_s": (rec.latency - rec.ttft) / (n - 1) if ok and n > 1 else math.nan,
+            "itl_s": list(rec.itl), "e2el_s": rec.latency if ok else math.nan,
+            "finish_s": rec.start_time + rec.latency - t0 if ok else math.nan,
+            "success": ok, "error": rec.error})
+    return pd.DataFrame(rows, columns=REQUEST_COLUMNS)
+
+
+def finalize(records: list[RequestRecord], duration_s: float, t0: float, meta: dict,
+             opts: BenchOptions, tokenizer=None) -> tuple[dict, "pd.DataFrame"]:
+    """Metrics -> (vLLM result dict, requests frame); the one path both backends take."""
+    m, lens = calculate_metrics(records, duration_s, tokenizer, opts.metric_percentiles,
+                                opts.goodput or None)
+    summary = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), **meta,
+               "request_rate": opts.request_rate if math.isfinite(opts.request_rate) else "inf",
+               "burstiness": opts.burstiness, "max_concurrency": opts.max_concurrency}
+    summary = result_dict(records, m, lens, duration_s, summary, opts.percentile_metrics,
+                          opts.goodput or None)
+    return summary, requests_frame(records, lens, t0)
+
+
+def default_filename(backend: str, rate: float, max_concurrency: int | None, model_id: str,
+                     date: str) -> str:
+    """vLLM's naming: ``{backend}-{rate}qps[-concurrencyN]-{model basename}-{date}.json``."""
+    conc = f"-concurrency{max_concurrency}" if max_concurrency is not None else ""
+    return f"{backend}-{float(rate)}qps{conc}-{model_id.rstrip('/').split('/')[-1]}-{date}.json"
+
+
+def save_result(result: dict, path: str | Path) -> Path:
+    path = Path(path)
+    if path.parent != Path(""):
+        os.makedirs(path.parent, exist_ok=True)
+    path.write_text(json.dumps(result), encoding="utf-8")
+    return path
+
+
+def format_summary(s: dict, percentiles: list[float]) -> str:
+    """The human-readable block vLLM prints after a run."""
+    lines = ["{:=^50}".format(" Serving Benchmark Result ")]
+    row = "{:<40} {:<10}".format
+    rowf = "{:<40} {:<10.2f}".format
+    lines += [row("Successful requests:", s["completed"]), row("Failed requests:", s["failed"])]
+    if s.get("max_concurrency") is not None:
+        lines.append(row("Maximum request concurrency:", s["max_concurrency"]))
+    if s.get("request_rate") != "inf":
+        lines.append(rowf("Request rate configured (RPS):", s["request_rate"]))
+    lines += [rowf("Benchmark duration (s):", s["duration"]),
+              row("Total input tokens:", s["total_input_tokens"]),
+              row("Total generated tokens:", s["total_output_tokens"]),
+              rowf("Request throughput (req/s):", s["request_throughput"])]
+    if s.get("request_goodput") is not None:
+        lines.append(rowf("Request goodput (req/s):", s["request_goodput"]))
+    lines += [rowf("Output token throughput (tok/s):", s["output_throughput"]),
+              rowf("Total Token throughput (tok/s):", s["total_token_throughput"])]
+    titles = {"ttft": ("TTFT", "Time to First Token"),
+              "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
+              "itl": ("ITL", "Inter-token Latency"), "e2el": ("E2EL", "End-to-end Latency")}
+    for name in METRIC_NAMES:
+        if f"mean_{name}_ms" not in s:
+            continue
+        short, header = titles[name]
+        lines.append("{:-^50}".format(header))
+        lines += [rowf(f"Mean {short} (ms):", s[f"mean_{name}_ms"]),
+                  rowf(f"Median {short} (ms):", s[f"median_{name}_ms"])]
+        for p in percentiles:
+            key = percentile_key(p)
+            lines.append(rowf(f"{key.upper()} {short} (ms):", s[f"{key}_{name}_ms"]))
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def sweep_table(summaries: list[dict]) -> str:
+    """One line per rate: the numbers a capacity curve is drawn from."""
+    head = (f"{'rate':>8} {'done':>6} {'req/s':>8} {'out tok/s':>10} {'TTFT mean':>10} "
+            f"{'TTFT p99':>10} {'TPOT mean':>10} {'TPOT p99':>10} {'goodput':>8}")
+    lines = [head, "-" * len(head)]
+
+    def ms(s, key):
+        v = s.get(key)
+        return f"{v:10.1f}" if isinstance(v, (int, float)) else f"{'-':>10}"
+    for s in summaries:
+        good = s.get("request_goodput")
+        lines.append(f"{str(s['request_rate']):>8} {s['completed']:>6} {s['request_throughput']:8.2f} "
+                     f"{s['output_throughput']:10.1f} {ms(s, 'mean_ttft_ms')} {ms(s, 'p99_ttft_ms')} "
+                     f"{ms(s, 'mean_tpot_ms')} {ms(s, 'p99_tpot_ms')} "
+                     f"{(f'{good:8.2f}' if good is not None else '-'.rjust(8))}")
+    return "\n".join(lines)
