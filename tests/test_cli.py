@@ -1,0 +1,15 @@
+"""The `minserve` command dispatches to its subcommands and reports misuse with exit code 2."""
+
+from minserve.cli import main
+
+
+def test_generate_prints_each_prompt(capsys):
+    assert main(["generate", "--model", "tiny-llama", "--max-tokens", "3", "Hello", "World"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 2 and out[0].startswith("'Hello' -> ") and out[1].startswith("'World' -> ")
+
+
+def test_usage_and_unknown_commands(capsys):
+    assert main([]) == 0 and "usage" in capsys.readouterr().out
+    assert main(["frobnicate"]) == 2 and "unknown command" in capsys.readouterr().err
+    assert main(["bench"]) == 2 and "bench serve" in capsys.readouterr().err
