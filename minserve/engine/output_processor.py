@@ -14,6 +14,8 @@ from minserve.engine.request import Request, RequestStatus
 from minserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from minserve.sampling_params import RequestOutputKind
 
+DETOKENIZE_CONTEXT_TOKENS = 6  # tokens of left context decoded with each new token
+
 
 class OutputProcessor:
     def __init__(self, tokenizer, max_model_len: int, clock_offset_s: float):
@@ -30,19 +32,36 @@ class OutputProcessor:
         p = req.params
         n_out = len(req.output_token_ids)
         prev_len = len(req.output_text)
-        req.output_text = self.tokenizer.decode(req.output_token_ids,
-                                                skip_special_tokens=p.skip_special_tokens)
+        self._detokenize(req, final=False)
         if n_out >= p.min_tokens:
             if token_id in p.stop_token_ids:
                 req.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
+                return self._finish(req, RequestStatus.FINISHED_STOPPED)
             if not p.ignore_eos and token_id in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
+                return self._finish(req, RequestStatus.FINISHED_STOPPED)
             if p.stop and self._cut_at_stop_string(req, prev_len):
                 return RequestStatus.FINISHED_STOPPED
         if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
+            return self._finish(req, RequestStatus.FINISHED_LENGTH)
         return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> RequestStatus:
+        self._detokenize(req, final=True)  # release any held-back partial character
+        return status
+
+    def _detokenize(self, req: Request, final: bool) -> None:
+        """Extend ``output_text`` by decoding a short window, not the whole output every token
+        (that would cost O(n^2) over a long answer). The window starts a few tokens back so the
+        tokenizer sees the context that decides spacing; text that ends in a replacement
+        character is held back until the next token completes the UTF-8 sequence."""
+        ids, skip = req.output_token_ids, req.params.skip_special_tokens
+        start, read = req.detok_prefix_offset, req.detok_read_offset
+        before = self.tokenizer.decode(ids[start:read], skip_special_tokens=skip)
+        after = self.tokenizer.decode(ids[start:], skip_special_tokens=skip)
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            req.output_text += after[len(before):]
+            req.detok_prefix_offset = max(0, len(ids) - DETOKENIZE_CONTEXT_TOKENS)
+            req.detok_read_offset = len(ids)
 
     @staticmethod
     def _cut_at_stop_string(req: Request, prev_len: int) -> bool:

@@ -73,6 +73,8 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     sent_text_len: int = 0                # for DELTA outputs: how much text was already returned
+    detok_prefix_offset: int = 0          # incremental detokenization window (output token indices)
+    detok_read_offset: int = 0
     sent_tokens_len: int = 0
     # Prefix caching: (hash, key) of each full block of known tokens, the digest of the extra keys,
     # how many of the current table's blocks are published, and the hit tokens at first admission.
