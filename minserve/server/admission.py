@@ -1,0 +1,358 @@
+"""Admission control: decide at the door whether a request may wait for the engine.
+
+Continuous batching makes the engine efficient, not infinite. Without a bound, an overload turns
+into an ever longer waiting queue, and client timeouts silently become the capacity policy: every
+request waits, most give up, and the engine spends its time on answers nobody reads. So each
+request is classified when it arrives and either admitted into a bounded waiting room or shed at
+once with an explicit answer (429 + ``Retry-After``, or 503 while the server drains).
+
+Classification (:func:`classify`):
+
+- tenant: the API key (``Authorization: Bearer ...``, stored only as a short hash so keys never
+  reach logs), else the body's ``user`` field, else ``"anonymous"``;
+- priority class: the ``x-priority-class`` header (``interactive`` | ``batch``) if given, else the
+  body's ``priority`` field: ``<= 0`` is interactive, ``> 0`` is batch. This follows vLLM, where a
+  lower ``priority`` value is served earlier and the default is 0;
+- size: prompt tokens and ``max_tokens`` (the output bound), hence predicted KV bytes;
+- deadline: ``x-deadline-ms`` header or ``deadline_ms`` body field, the time within which the whole
+  answer must be finished, counted from arrival.
+
+Budgets (:class:`ClassLimits`), separate for each priority class, so a flood of batch work cannot
+take the waiting room from interactive users: queued requests, queued tokens (prompt + max_tokens)
+and queued KV bytes (those tokens x the engine's KV bytes per token: what the request will pin in
+the cache at its longest). "Queued" means admitted but not yet scheduled by the engine; once the
+engine runs a request, it is bounded by the engine's own limits (max_num_seqs, KV blocks).
+A per-tenant quota bounds in-flight requests (queued or running) of one tenant across classes.
+
+Deadline model (:meth:`AdmissionController.predict_s`), deliberately simple and stated here so the
+shedding is explainable:
+
+    predicted = queued_prompt_tokens * prefill_s_per_token            (queue ahead: prefill)
+              + queued_max_tokens * decode_s_per_step / parallel_slots (queue ahead: decode)
+              + own prompt_tokens * prefill_s_per_token                (own prefill)
+              + own max_tokens * decode_s_per_step                     (own decode)
+
+Prefill cost scales with tokens per step, so it is charged per token; a decode step advances up to
+``parallel_slots`` (max_num_seqs) requests by one token each, so queued decode work is shared over
+the slots while the request's own tokens come one per step. Both rates are exponentially weighted
+moving averages of recent engine steps (:meth:`AdmissionController.observe_step`), starting from
+configured priors. The queue ahead counts every class (the engine itself is first come, first
+served) and ignores the remaining work of requests already running, so the estimate leans
+optimistic: a request is shed only when even this estimate misses its deadline.
+
+The controller is pure logic (no HTTP, no engine), guarded by one lock because the HTTP loop
+admits and releases while the engine thread reports started requests and step times.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Mapping
+
+INTERACTIVE, BATCH = "interactive", "batch"
+PRIORITY_CLASSES = (INTERACTIVE, BATCH)
+REJECT_REASONS = ("queue_full_requests", "queue_full_tokens", "kv_budget", "tenant_quota",
+                  "deadline", "draining", "request_too_large")
+
+
+@dataclass(frozen=True)
+class ClassLimits:
+    """The waiting-room budget of one priority class; None means unbounded."""
+
+    max_queued_requests: int | None = 256
+    max_queued_tokens: int | None = None
+    max_queued_kv_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_queued_requests", "max_queued_tokens", "max_queued_kv_bytes"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {v!r}")
+
+
+@dataclass
+class AdmissionConfig:
+    interactive: ClassLimits = field(default_factory=ClassLimits)
+    batch: ClassLimits = field(default_factory=ClassLimits)
+    tenant_max_inflight: int | None = None
+    parallel_slots: int = 1              # the engine's max_num_seqs
+    kv_bytes_per_token: int = 0          # the engine's kv_spec.bytes_per_token
+    # Priors for the deadline model until engine steps have been measured (CPU-ish numbers).
+    prior_prefill_s_per_token: float = 1e-3
+    prior_decode_s_per_step: float = 0.05
+    ewma_alpha: float = 0.2              # weight of the newest step in the moving averages
+    max_retry_after_s: int = 60
+    drain_retry_after_s: int = 5
+
+    def __post_init__(self) -> None:
+        if self.tenant_max_inflight is not None and self.tenant_max_inflight < 1:
+            raise ValueError(f"tenant_max_inflight must be >= 1 or None, got {self.tenant_max_inflight}")
+        if self.parallel_slots < 1:
+            raise ValueError(f"parallel_slots must be >= 1, got {self.parallel_slots}")
+        if not 0 < self.ewma_alpha <= 1:
+            raise ValueError(f"ewma_alpha must be in (0, 1], got {self.ewma_alpha}")
+
+    def limits(self, priority_class: str) -> ClassLimits:
+        return self.interactive if priority_class == INTERACTIVE else self.batch
+
+
+@dataclass
+class Ticket:
+    """One request as admission sees it. ``state``: new -> queued -> running -> released."""
+
+    tenant: str
+    priority_class: str
+    prompt_tokens: int
+    max_tokens: int
+    deadline_s: float | None = None
+    state: str = "new"
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.max_tokens
+
+
+@dataclass(frozen=True)
+class Decision:
+    admitted: bool
+    reason: str | None = None
+    status: int = 200                    # HTTP status for a rejection: 429, 503 or 400
+    message: str = ""
+    retry_after_s: int | None = None
+    predicted_s: float | None = None
+
+
+@dataclass
+class _Queue:
+    """Running sums of one class's waiting room (sums, not lists: O(1) admit and release)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.max_tokens
+
+    def add(self, t: Ticket, sign: int) -> None:
+        self.requests += sign
+        self.prompt_tokens += sign * t.prompt_tokens
+        self.max_tokens += sign * t.max_tokens
+
+
+def tenant_of(authorization: str | None, user: str | None) -> str:
+    """API key (hashed) > ``user`` field > "anonymous"."""
+    if authorization:
+        scheme, _, key = authorization.strip().partition(" ")
+        if scheme.lower() == "bearer" and key.strip():
+            return "key-" + hashlib.sha256(key.strip().encode()).hexdigest()[:12]
+    if isinstance(user, str) and user:
+        return "user-" + user
+    return "anonymous"
+
+
+def classify(headers: Mapping[str, str], *, user: str | None, priority: int,
+             deadline_ms: float | None, prompt_tokens: int, max_tokens: int) -> Ticket:
+    """Build the ticket of one request; ValueError (naming the header or field) on bad input.
+    ``headers`` must answer lower-case names (Starlette's Headers does)."""
+    header_class = headers.get("x-priority-class")
+    if header_class is not None:
+        priority_class = header_class.strip().lower()
+        if priority_class not in PRIORITY_CLASSES:
+            raise ValueError(f"header x-priority-class must be one of {list(PRIORITY_CLASSES)}, "
+                             f"got {header_class!r}")
+    else:
+        priority_class = INTERACTIVE if priority <= 0 else BATCH
+    header_deadline = headers.get("x-deadline-ms")
+    if header_deadline is not None:
+        try:
+            deadline_ms = float(header_deadline)
+        except ValueError:
+            raise ValueError(f"header x-deadline-ms must be a number of milliseconds > 0, "
+                             f"got {header_deadline!r}") from None
+    if deadline_ms is not None and not (math.isfinite(deadline_ms) and deadline_ms > 0):
+        raise ValueError(f"deadline_ms must be a finite number of milliseconds > 0, got {deadline_ms!r}")
+    return Ticket(tenant_of(headers.get("authorization"), user), priority_class, prompt_tokens,
+                  max_tokens, None if deadline_ms is None else deadline_ms / 1000.0)
+
+
+class AdmissionController:
+    def __init__(self, config: AdmissionConfig | None = None, registry=None):
+        self.config = config or AdmissionConfig()
+        self._lock = threading.Lock()
+        self._queues = {c: _Queue() for c in PRIORITY_CLASSES}
+        self._inflight: dict[str, int] = {}
+        self.prefill_s_per_token = self.config.prior_prefill_s_per_token
+        self.decode_s_per_step = self.config.prior_decode_s_per_step
+        self.draining = False
+        self._metrics = _AdmissionMetrics(registry) if registry is not None else None
+
+    # ---- decisions ---------------------------------------------------------------------------
+
+    def try_admit(self, t: Ticket) -> Decision:
+        """Admit ``t`` into its class's waiting room, or say why not. Admitted tickets must be
+        :meth:`release`d exactly once when the request ends, whatever the outcome."""
+        with self._lock:
+            decision = self._decide(t)
+            if decision.admitted:
+                t.state = "queued"
+                self._queues[t.priority_class].add(t, +1)
+                self._inflight[t.tenant] = self._inflight.get(t.tenant, 0) + 1
+            self._record(t, decision)
+            return decision
+
+    def _decide(self, t: Ticket) -> Decision:
+        if self.draining:
+            return Decision(False, "draining", 503, "the server is shutting down; retry on another "
+                            "replica", self.config.drain_retry_after_s)
+        too_large = self._too_large(t)
+        if too_large:
+            return Decision(False, "request_too_large", 400, too_large)
+        cfg, q = self.config, self._queues[t.priority_class]
+        limits = cfg.limits(t.priority_class)
+        used = self._inflight.get(t.tenant, 0)
+        if cfg.tenant_max_inflight is not None and used >= cfg.tenant_max_inflight:
+            return Decision(False, "tenant_quota", 429, f"tenant has {used} requests in flight, "
+                            f"the quota is {cfg.tenant_max_inflight}", 1)
+        checks = (("queue_full_requests", q.requests, 1, limits.max_queued_requests, "requests"),
+                  ("queue_full_tokens", q.tokens, t.tokens, limits.max_queued_tokens, "tokens"),
+                  ("kv_budget", q.tokens * cfg.kv_bytes_per_token, t.tokens * cfg.kv_bytes_per_token,
+                   limits.max_queued_kv_bytes, "predicted KV bytes"))
+        for reason, queued, need, limit, unit in checks:
+            if limit is not None and queued + need > limit:
+                return Decision(False, reason, 429, f"the {t.priority_class} queue holds {queued} "
+                                f"{unit}; adding {need} would pass its limit of {limit}",
+                                self._retry_after())
+        predicted = self._predict_locked(t)
+        if t.deadline_s is not None and predicted > t.deadline_s:
+            return Decision(False, "deadline", 429, f"predicted completion in {predicted * 1000:.0f} ms "
+                            f"misses the deadline of {t.deadline_s * 1000:.0f} ms",
+                            self._retry_after(), predicted)
+        return Decision(True, predicted_s=predicted)
+
+    def _too_large(self, t: Ticket) -> str:
+        """A request bigger than its class's whole budget could never be admitted: a 429 would
+        make the client retry forever, so it is a 400 instead."""
+        limits, bpt = self.config.limits(t.priority_class), self.config.kv_bytes_per_token
+        if limits.max_queued_tokens is not None and t.tokens > limits.max_queued_tokens:
+            return (f"prompt + max_tokens = {t.tokens} tokens exceeds this server's per-request "
+                    f"limit of {limits.max_queued_tokens} for the {t.priority_class} class")
+        if limits.max_queued_kv_bytes is not None and t.tokens * bpt > limits.max_queued_kv_bytes:
+            return (f"prompt + max_tokens = {t.tokens} tokens needs {t.tokens * bpt} KV bytes, over "
+                    f"this server's limit of {limits.max_queued_kv_bytes} for the "
+                    f"{t.priority_class} class")
+        return ""
+
+    def _queue_ahead_s(self) -> float:
+        prompt = sum(q.prompt_tokens for q in self._queues.values())
+        decode = sum(q.max_tokens for q in self._queues.values())
+        return (prompt * self.prefill_s_per_token
+                + decode * self.decode_s_per_step / self.config.parallel_slots)
+
+    def _predict_locked(self, t: Ticket) -> float:
+        return (self._queue_ahead_s() + t.prompt_tokens * self.prefill_s_per_token
+                + t.max_tokens * self.decode_s_per_step)
+
+    def predict_s(self, t: Ticket) -> float:
+        """Predicted seconds from now until ``t`` would finish if admitted now (module docstring)."""
+        with self._lock:
+            return self._predict_locked(t)
+
+    def _retry_after(self) -> int:
+        """Whole seconds until the current waiting room has drained, by the same model."""
+        return max(1, min(self.config.max_retry_after_s, math.ceil(self._queue_ahead_s())))
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def mark_started(self, t: Ticket) -> None:
+        """The engine scheduled the request: it leaves the waiting room (keeps its tenant slot)."""
+        with self._lock:
+            if t.state == "queued":
+                t.state = "running"
+                self._queues[t.priority_class].add(t, -1)
+                self._update_gauges(t.priority_class)
+
+    def release(self, t: Ticket) -> None:
+        """The request ended (finished, failed, aborted). Idempotent."""
+        with self._lock:
+            if t.state not in ("queued", "running"):
+                return
+            if t.state == "queued":
+                self._queues[t.priority_class].add(t, -1)
+            t.state = "released"
+            left = self._inflight.get(t.tenant, 0) - 1
+            if left > 0:
+                self._inflight[t.tenant] = left
+            else:
+                self._inflight.pop(t.tenant, None)  # keep the dict as small as the active tenants
+            self._update_gauges(t.priority_class)
+
+    def observe_step(self, step_time_s: float, num_prefill_tokens: int, num_decode_tokens: int) -> None:
+        """Fold one engine step into the moving averages of the deadline model."""
+        a = self.config.ewma_alpha
+        with self._lock:
+            total = num_prefill_tokens + num_decode_tokens
+            if num_prefill_tokens > 0 and total > 0:
+                self.prefill_s_per_token += a * (step_time_s / total - self.prefill_s_per_token)
+            if num_decode_tokens > 0:
+                # A decoding request gets one token per step, whatever else shares the step.
+                self.decode_s_per_step += a * (step_time_s - self.decode_s_per_step)
+
+    def begin_drain(self) -> None:
+        """From now on every new request gets 503; requests already admitted run to the end."""
+        with self._lock:
+            self.draining = True
+
+    # ---- introspection ---------------------------------------------------------------------
+
+    def queued(self, priority_class: str) -> tuple[int, int]:
+        """(requests, tokens) waiting in one class."""
+        with self._lock:
+            q = self._queues[priority_class]
+            return q.requests, q.tokens
+
+    def inflight(self, tenant: str) -> int:
+        with self._lock:
+            return self._inflight.get(tenant, 0)
+
+    def _record(self, t: Ticket, d: Decision) -> None:
+        if self._metrics is None:
+            return
+        if d.admitted:
+            self._metrics.admitted[t.priority_class].inc()
+        else:
+            self._metrics.rejected.labels(d.reason, t.priority_class).inc()
+        self._update_gauges(t.priority_class)
+
+    def _update_gauges(self, priority_class: str) -> None:
+        if self._metrics is not None:
+            q = self._queues[priority_class]
+            self._metrics.queued_requests[priority_class].set(q.requests)
+            self._metrics.queued_tokens[priority_class].set(q.tokens)
+
+
+class _AdmissionMetrics:
+    """``minserve:*`` series, registered in the engine's own registry so ``/metrics`` shows them
+    next to the ``vllm:*`` ones. Counters are named without ``_total``: prometheus_client adds it."""
+
+    def __init__(self, registry):
+        from prometheus_client import Counter, Gauge
+        self.rejected = Counter("minserve:admission_rejected", "Requests shed at admission, by reason.",
+                                ["reason", "priority_class"], registry=registry)
+        admitted = Counter("minserve:admission_admitted", "Requests admitted to the waiting room.",
+                           ["priority_class"], registry=registry)
+        req = Gauge("minserve:admission_queued_requests", "Admitted requests not yet scheduled.",
+                    ["priority_class"], registry=registry)
+        tok = Gauge("minserve:admission_queued_tokens",
+                    "Prompt + max_tokens of admitted requests not yet scheduled.",
+                    ["priority_class"], registry=registry)
+        # Children created up front so every series is exported (at 0) before the first event.
+        self.admitted = {c: admitted.labels(c) for c in PRIORITY_CLASSES}
+        self.queued_requests = {c: req.labels(c) for c in PRIORITY_CLASSES}
+        self.queued_tokens = {c: tok.labels(c) for c in PRIORITY_CLASSES}
+        for reason in REJECT_REASONS:
+            for c in PRIORITY_CLASSES:
+                self.rejected.labels(reason, c)

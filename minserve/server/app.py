@@ -1,0 +1,253 @@
+"""The OpenAI-compatible HTTP app: routes, error mapping, and the life of one request.
+
+One request, end to end: the body is validated (protocol.py) and turned into token ids and
+SamplingParams (serving.py); admission classifies it and admits or sheds it (admission.py); the
+engine thread runs it (async_engine.py) and its outputs come back on an asyncio queue; the reply is
+one JSON body or a stream of SSE chunks ending with ``data: [DONE]``. Whatever way the request
+ends (finished, failed, client gone, server stopping), ``_Flight.close`` aborts it in the engine
+if it is still there and gives its admission slot back, exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from minserve.sampling_params import RequestOutputKind
+from minserve.server.admission import AdmissionConfig, AdmissionController, Ticket, classify
+from minserve.server.async_engine import AsyncEngine, RequestFailed
+from minserve.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
+                                      error_body, error_response, validation_error_to_api)
+from minserve.server.serving import Prepared, StreamFormatter, full_response, prepare, sse
+
+log = logging.getLogger("minserve.server")
+POLL_S = 0.5  # how often a waiting handler checks for a vanished client or a dead engine
+
+
+@dataclass
+class ServerState:
+    engine: object
+    async_engine: AsyncEngine
+    admission: AdmissionController
+    model_name: str
+    created: int
+
+
+class ClientGone(Exception):
+    pass
+
+
+class _Flight:
+    """Cleanup for one admitted request; ``close`` is idempotent."""
+
+    def __init__(self, st: ServerState, request_id: str, ticket: Ticket):
+        self.st, self.request_id, self.ticket = st, request_id, ticket
+        self.finished = False
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if not self.finished:
+            self.st.async_engine.abort(self.request_id)
+        self.st.admission.release(self.ticket)
+
+
+class _SSEResponse(StreamingResponse):
+    """A stream that always cleans up. Starlette cancels the body iterator when the client
+    disconnects, but an iterator that never started, or a send that failed, would leave it
+    suspended forever; this ``finally`` runs in every case."""
+
+    def __init__(self, content, flight: _Flight):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.flight = flight
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except (OSError, ClientDisconnect):
+            pass  # the client went away while we wrote to it
+        finally:
+            self.flight.close()
+
+
+async def next_item(q: asyncio.Queue, st: ServerState, request: Request | None = None):
+    """The next output of a request; fails instead of hanging if the engine thread is gone, and
+    raises ClientGone when ``request``'s client disconnected."""
+    while True:
+        if not q.empty():
+            return q.get_nowait()  # the common case while streaming: no timer task needed
+        try:
+            return await asyncio.wait_for(q.get(), POLL_S)
+        except asyncio.TimeoutError:
+            if not st.async_engine.alive and q.empty():
+                return RequestFailed(f"the engine is not running ({st.async_engine.error or 'stopped'})", 503)
+            if request is not None and await request.is_disconnected():
+                raise ClientGone() from None
+
+
+async def _stream(q: asyncio.Queue, p: Prepared, st: ServerState, flight: _Flight):
+    fmt = StreamFormatter(p)
+    try:
+        for chunk in fmt.start():
+            yield chunk
+        while True:
+            item = await next_item(q, st)
+            if isinstance(item, RequestFailed):
+                flight.finished = True  # the engine already let go of it
+                # vLLM's convention: an error event, then the end marker so clients stop reading.
+                yield fmt.error(item.status, item.message)
+                yield sse("[DONE]")
+                return
+            for chunk in fmt.delta(item):
+                yield chunk
+            if item.finished:
+                flight.finished = True
+                break
+        for chunk in fmt.end():
+            yield chunk
+    except Exception as e:  # a bug formatting this one stream: tell its client, spare the rest
+        log.exception("stream %s failed", p.request_id)
+        yield fmt.error(500, f"internal error while streaming: {type(e).__name__}: {e}")
+        yield sse("[DONE]")
+
+
+async def _serve(request: Request, body, kind: str):
+    st: ServerState = request.app.state.minserve
+    p = prepare(body, kind, st.engine, st.model_name)
+    try:
+        ticket = classify(request.headers, user=body.user, priority=body.priority,
+                          deadline_ms=body.deadline_ms, prompt_tokens=len(p.prompt_ids),
+                          max_tokens=p.params.max_tokens)
+    except ValueError as e:  # "header x-deadline-ms must ..." or "deadline_ms must ..."
+        words = str(e).split()
+        raise ApiError(400, str(e), words[1] if words[0] == "header" else words[0]) from None
+    decision = st.admission.try_admit(ticket)
+    if not decision.admitted:
+        headers = None if decision.retry_after_s is None else {"Retry-After": str(decision.retry_after_s)}
+        raise ApiError(decision.status, decision.message, None, decision.reason, headers)
+    flight = _Flight(st, p.request_id, ticket)
+    try:
+        q = st.async_engine.submit(p.request_id, p.prompt_ids, p.params, cache_salt=body.cache_salt,
+                                   priority=body.priority,
+                                   on_started=lambda: st.admission.mark_started(ticket))
+    except BaseException:
+        flight.close()
+        raise
+    if p.params.output_kind is RequestOutputKind.DELTA:
+        return _SSEResponse(_stream(q, p, st, flight), flight)  # it closes the flight itself
+    try:
+        item = await next_item(q, st, request)
+        flight.finished = True
+        if isinstance(item, RequestFailed):
+            raise ApiError(item.status, item.message)
+        return JSONResponse(full_response(p, item))
+    except ClientGone:
+        return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+    finally:
+        flight.close()
+
+
+def _routes(app: FastAPI) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _serve(request, body, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await _serve(request, body, "chat")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        st: ServerState = request.app.state.minserve
+        card = {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "minserve",
+                "root": st.engine.config.model, "parent": None, "max_model_len": st.engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health(request: Request):
+        st: ServerState = request.app.state.minserve
+        if st.admission.draining:
+            return JSONResponse(error_body(503, "draining: the server is shutting down", code="draining"),
+                                status_code=503)
+        if not st.async_engine.alive:
+            return JSONResponse(error_body(503, f"the engine loop is not running "
+                                           f"({st.async_engine.error or 'stopped'})"), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        st: ServerState = request.app.state.minserve
+        return Response(generate_latest(st.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError):
+        return error_response(validation_error_to_api(exc))
+
+    @app.exception_handler(ValueError)
+    async def value_error(_: Request, exc: ValueError):
+        # SamplingParams / classify messages start with the field's name: use it as ``param``.
+        message = str(exc)
+        first = message.split(" ", 1)[0]
+        return error_response(ApiError(400, message, first if first.isidentifier() else None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException):
+        return error_response(ApiError(exc.status_code, str(exc.detail), headers=exc.headers))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception):
+        log.exception("request failed", exc_info=exc)
+        return error_response(ApiError(500, f"internal error while serving this request: "
+                                       f"{type(exc).__name__}: {exc}"))
+
+
+def create_app(engine, *, served_model_name: str | None = None,
+               admission: AdmissionConfig | AdmissionController | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an LLMEngine). The engine thread starts and stops with
+    the app's lifespan; ``app.state.minserve`` holds the pieces (tests and the CLI use it).
+    One app per engine: the admission counters are registered in the engine's registry."""
+    if not isinstance(admission, AdmissionController):
+        # The budgets and the deadline model need the engine's shape, which only it knows.
+        cfg = dataclasses.replace(admission or AdmissionConfig(),
+                                  parallel_slots=engine.config.max_num_seqs,
+                                  kv_bytes_per_token=engine.kv_spec.bytes_per_token)
+        admission = AdmissionController(cfg, engine.metrics.registry)
+    on_step = (lambda s: admission.observe_step(s.step_time_s, s.num_prefill_tokens, s.num_decode_tokens))
+    st = ServerState(engine, AsyncEngine(engine, on_step), admission,
+                     served_model_name or engine.config.model, int(time.time()))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        st.async_engine.start()
+        try:
+            yield
+        finally:
+            st.admission.begin_drain()
+            # The join blocks; keep it off the event loop.
+            await asyncio.to_thread(st.async_engine.stop)
+
+    app = FastAPI(title="minserve", lifespan=lifespan)
+    app.state.minserve = st
+    _routes(app)
+    _error_handlers(app)
+    return app

@@ -1,0 +1,233 @@
+"""The engine thread: one loop that owns the LLMEngine, fed by HTTP handlers through a queue.
+
+Why a thread and not ``await`` in the handlers: ``engine.step()`` is a blocking forward pass
+(milliseconds to seconds). Run on the event loop, it would freeze every connection, health check
+and disconnect detection for that long. So the engine lives on its own thread and is touched by
+nothing else: handlers put ``add`` / ``abort`` commands into a thread-safe inbox and get their
+outputs back on a per-request ``asyncio.Queue``, filled with ``loop.call_soon_threadsafe`` (the
+only safe way to wake an asyncio loop from another thread). Neither side ever waits on the other:
+the engine thread never awaits a handler, and a handler never waits for a step to finish.
+
+Failure policy (DESIGN: "nothing lost, clear errors"):
+- ``add_request`` raising fails that one request (ValueError -> 400, anything else -> 500).
+- ``step()`` raising: the engine has already retired the step's requests with status "error"
+  (their blocks are back in the pool); their clients get a 500-style failure, the loop goes on.
+- anything else escaping the loop marks the engine dead (``/health`` turns 503) and fails every
+  request still waiting for output, rather than leaving connections hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from minserve.outputs import RequestOutput
+
+log = logging.getLogger("minserve.server")
+
+
+class RequestFailed(Exception):
+    """Delivered in place of an output: the request ended without a normal finish."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.message, self.status = message, status
+
+
+def _guarded(fn: Callable, *args) -> None:
+    """Run an observer callback; its bug must not take the engine loop (and every request) down."""
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("callback %r failed", fn)
+
+
+@dataclass
+class _Sink:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    on_started: Callable[[], None] | None
+    started: bool = False
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the client's loop is closed (server shutting down): nobody to tell
+
+    def mark_started(self) -> None:
+        if not self.started:
+            self.started = True
+            if self.on_started is not None:
+                _guarded(self.on_started)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: object
+    params: object
+    cache_salt: str | None
+    priority: int
+    sink: _Sink
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    """Runs ``engine`` on a background thread. ``on_step(stats)`` is called on that thread after
+    each step that computed something (admission uses it to measure step times)."""
+
+    def __init__(self, engine, on_step: Callable | None = None):
+        self.engine = engine
+        self.on_step = on_step
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._sinks: dict[str, _Sink] = {}     # engine thread only
+        self._thread: threading.Thread | None = None
+        self.error: str | None = None          # why the loop died, if it did
+
+    # ---- called from the HTTP side ------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="minserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def submit(self, request_id: str, prompt, params, *, cache_salt: str | None = None,
+               priority: int = 0, on_started: Callable[[], None] | None = None) -> asyncio.Queue:
+        """Queue a request; returns the queue its outputs (RequestOutput or RequestFailed) arrive
+        on. Must be called on the event loop that will read the queue. ``on_started`` runs on the
+        engine thread when the scheduler first runs the request."""
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), on_started)
+        if not self.alive:
+            reason = self.error or "stopped"
+            sink.queue.put_nowait(RequestFailed(f"the engine is not running ({reason})", 503))
+            return sink.queue
+        self._inbox.put(_Add(request_id, prompt, params, cache_salt, priority, sink))
+        self._wake.set()
+        return sink.queue
+
+    def abort(self, request_id: str) -> None:
+        """Ask for the request to be aborted before the next step (its blocks are freed then)."""
+        self._inbox.put(_Abort(request_id))
+        self._wake.set()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop; requests still in flight are aborted and their clients told why."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    # ---- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                # Clear before draining: a submit that lands after the drain sets the event again,
+                # so the wait below cannot sleep through it.
+                self._wake.clear()
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait()
+                    continue
+                self._step()
+        except BaseException as e:  # a bug in the loop itself: fail loudly, never hang clients
+            log.exception("engine loop died")
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            failure = RequestFailed("the server is shutting down" if self.error is None
+                                    else f"the engine loop died: {self.error}", 503)
+            self._drain_inbox(refuse=failure)
+            self._fail_all(failure)
+
+    def _drain_inbox(self, refuse: RequestFailed | None = None) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add) and refuse is not None:
+                cmd.sink.put(refuse)
+            elif isinstance(cmd, _Add):
+                self._add(cmd)
+            else:
+                self.engine.abort_request(cmd.request_id)
+                self._sinks.pop(cmd.request_id, None)
+
+    def _add(self, cmd: _Add) -> None:
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
+                                    cache_salt=cmd.cache_salt, priority=cmd.priority)
+        except ValueError as e:
+            cmd.sink.put(RequestFailed(str(e), 400))
+        except Exception as e:
+            log.exception("add_request failed for %s", cmd.request_id)
+            cmd.sink.put(RequestFailed(f"could not queue the request: {type(e).__name__}: {e}"))
+        else:
+            self._sinks[cmd.request_id] = cmd.sink
+
+    def _step(self) -> None:
+        before = self.engine.last_step_stats  # identity, not len(): the list may become bounded
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            log.exception("engine step failed")
+            self._fail_retired(f"engine step failed: {type(e).__name__}: {e}")
+            return
+        self._mark_started(outputs)
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue  # aborted by its client a moment ago
+            sink.put(out)
+            if out.finished:
+                del self._sinks[out.request_id]
+        after = self.engine.last_step_stats
+        if self.on_step is not None and after is not None and after is not before:
+            _guarded(self.on_step, after)
+
+    def _mark_started(self, outputs: list[RequestOutput]) -> None:
+        # Running requests (some are mid-prefill and have no output yet) plus those that finished
+        # within their very first step.
+        for req in self.engine.scheduler.running:
+            sink = self._sinks.get(req.request_id)
+            if sink is not None:
+                sink.mark_started()
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is not None:
+                sink.mark_started()
+
+    def _fail_retired(self, message: str) -> None:
+        """After a failed step: tell the clients whose requests the engine retired."""
+        live = self.engine.requests
+        gone = [rid for rid in self._sinks if rid not in live]
+        if not gone:
+            # The failure happened before the engine could retire anyone (e.g. in the scheduler):
+            # abort everything rather than fail the same step forever.
+            gone = list(self._sinks)
+            self.engine.abort_request(gone)
+        for rid in gone:
+            self._sinks.pop(rid).put(RequestFailed(message, 500))
+
+    def _fail_all(self, failure: RequestFailed) -> None:
+        try:
+            self.engine.abort_request(list(self._sinks))
+        except Exception:
+            log.exception("abort during shutdown failed")
+        for sink in self._sinks.values():
+            sink.put(failure)
+        self._sinks.clear()
