@@ -74,3 +74,19 @@ def test_disable_log_stats_keeps_timelines():
     llm.generate("hello", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert llm.llm_engine.snapshot() == {}
     assert len(llm.llm_engine.requests_frame()) == 1 and len(llm.llm_engine.steps_frame()) >= 3
+
+
+def test_abort_refreshes_gauges_at_once(tiny_llm):
+    eng = tiny_llm.llm_engine
+    eng.add_request("g", list(range(300, 340)), SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()
+    assert eng.snapshot()["vllm:num_requests_running"] == 1
+    eng.abort_request("g")
+    snap = eng.snapshot()
+    assert snap["vllm:num_requests_running"] == 0 and snap["vllm:kv_cache_usage_perc"] == 0.0
+
+
+def test_out_of_vocabulary_stop_token_is_rejected(tiny_llm):
+    import pytest
+    with pytest.raises(ValueError, match=r"stop_token_ids must be in \[0, 49152\)"):
+        tiny_llm.llm_engine.add_request("bad-stop", "hi", SamplingParams(stop_token_ids=[10**6], min_tokens=2))

@@ -29,6 +29,7 @@ from minserve.sampling_params import SamplingParams
 
 log = logging.getLogger("minserve")
 MAX_FINISHED_KEPT = 100_000  # timelines kept for requests_frame(); bounded for long-running servers
+MAX_STEPS_KEPT = 200_000     # step records kept for steps_frame(); the oldest half goes when full
 
 
 @dataclass
@@ -70,6 +71,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.finished_requests: deque[Request] = deque(maxlen=MAX_FINISHED_KEPT)  # for requests_frame
         self.step_stats: list[StepStats] = []
+        self.num_steps = 0
         self.metrics = EngineMetrics(config.model, enabled=not config.disable_log_stats,
                                      max_model_len=self.max_model_len)
         self.load_time_s = time.perf_counter() - t0
@@ -104,6 +106,10 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        vocab = self.model_config.vocab_size
+        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad_stops[:5]}")
         text, ids = self._tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens; it must be shorter than max_model_len="
@@ -147,6 +153,7 @@ class LLMEngine:
             if req is not None and not req.finished:
                 self._retire(req, RequestStatus.FINISHED_ABORTED)
                 self.metrics.record_abort(req)
+        self.metrics.set_gauges(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -198,8 +205,11 @@ class LLMEngine:
 
     def _record_step(self, t0: float, sched, preemptions: int) -> StepStats:
         now = time.perf_counter()
+        if len(self.step_stats) >= MAX_STEPS_KEPT:  # a long-running server must not grow forever
+            del self.step_stats[:MAX_STEPS_KEPT // 2]
+        self.num_steps += 1
         self.step_stats.append(StepStats(
-            step=len(self.step_stats), start_s=t0 - self.start_s, step_time_s=now - t0,
+            step=self.num_steps - 1, start_s=t0 - self.start_s, step_time_s=now - t0,
             num_prefill_tokens=sched.num_prefill_tokens, num_decode_tokens=sched.num_decode_tokens,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.kv.usage, num_preemptions=preemptions,

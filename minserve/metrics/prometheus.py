@@ -146,9 +146,7 @@ class EngineMetrics:
         """
         if not self.enabled:
             return
-        self._running.set(stats.num_running)
-        self._waiting.set(stats.num_waiting)
-        self._kv_usage.set(stats.kv_cache_usage)
+        self.set_gauges(stats.num_running, stats.num_waiting, stats.kv_cache_usage)
         if stats.num_preemptions:
             self._preemptions.inc(stats.num_preemptions)
         # getattr: older StepStats records have no prefix-cache fields.
@@ -171,6 +169,14 @@ class EngineMetrics:
                     self._itl.observe(times[-1] - times[-2])
         for req in finished:
             self._record_finished(req, req.status.value)
+
+    def set_gauges(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
+        """Refresh the three gauges (also outside a step: an abort changes them at once)."""
+        if not self.enabled:
+            return
+        self._running.set(num_running)
+        self._waiting.set(num_waiting)
+        self._kv_usage.set(kv_cache_usage)
 
     def record_abort(self, request) -> None:
         """A request aborted outside a step (``abort_request``): count it under ``abort`` and
