@@ -45,9 +45,9 @@ class RequestMetrics:
     @property
     def tpot_s(self) -> float | None:
         """None until there are two tokens (a single token has no "per output token" time)."""
-        if self.num_generation_tokens < 2 or self.ttft_s is None or self.last_token_time is None:
+        if self.num_generation_tokens < 2 or self.ttft_s is None or self.e2e_s is None:
             return None
-        return (self.last_token_time - self.first_token_time) / (self.num_generation_tokens - 1)
+        return (self.e2e_s - self.ttft_s) / (self.num_generation_tokens - 1)
 
 
 @dataclass

@@ -54,9 +54,10 @@ def requests_frame(requests: Iterable[Request], t0_s: float) -> pd.DataFrame:
       queue_s = first scheduled - arrival; ttft_s = first token - arrival;
       prefill_s = first token - first scheduled; decode_s = last token - first token;
       e2e_s = finished - arrival;
-      tpot_s = decode_s / (output tokens - 1), for two or more tokens: this request's mean gap
-      between tokens (so it equals itl_mean_s; the pooled ITL histogram instead weights every gap
-      equally, so long requests count more there);
+      tpot_s = (e2e_s - ttft_s) / (output tokens - 1), for two or more tokens (while running, the
+      last token stands in for the finish): this request's mean gap between tokens, so close to
+      itl_mean_s; the pooled ITL histogram instead weights every gap equally, so long requests
+      count more there;
       itl_mean_s, itl_max_s: mean and largest gap between consecutive tokens (a preemption shows
       as a large itl_max_s);
       token_times_s: list of each output token's time, since t0_s.
@@ -74,7 +75,8 @@ def requests_frame(requests: Iterable[Request], t0_s: float) -> pd.DataFrame:
         if n >= 2:
             gaps = [b - a for a, b in zip(times, times[1:])]
             itl_mean, itl_max = sum(gaps) / len(gaps), max(gaps)
-            tpot = (last_tok - first_tok) / (n - 1)
+            end = tl.finished_s if tl.finished_s is not None else last_tok
+            tpot = (end - first_tok) / (n - 1)  # (E2E - TTFT) / (tokens - 1)
         else:
             itl_mean = itl_max = tpot = NAN
         rows.append({

@@ -12,11 +12,9 @@ How each latency is measured (all from the request's timeline, perf_counter seco
 - ITL (``vllm:inter_token_latency_seconds``): the gap between a token and the one before it of the
   same request, observed as each token (from the second on) arrives. A preemption shows up here
   as one long gap (the recompute), which is exactly what the streaming client saw.
-- TPOT (``vllm:request_time_per_output_token_seconds``): (last token - first token) / (output
-  tokens - 1), one value per finished request with at least two tokens: the mean of its ITLs. A
-  request retires in the step of its last token, so this is (E2E - TTFT) / (tokens - 1) up to
-  that step's bookkeeping; measuring to the last token (as vLLM and ``RequestOutput.metrics`` do)
-  keeps an abort that comes long after the last token from inflating it.
+- TPOT (``vllm:request_time_per_output_token_seconds``): (E2E - TTFT) / (output tokens - 1), one
+  value per finished request with at least two tokens. A request retires in the step of its last
+  token, so this is the mean of its ITLs plus that step's bookkeeping.
 - E2E (``vllm:e2e_request_latency_seconds``): finished minus arrival.
 - queue (``vllm:request_queue_time_seconds``): first admission to the running set minus arrival.
 - prefill (``vllm:request_prefill_time_seconds``): first token minus first admission.
@@ -205,8 +203,8 @@ class EngineMetrics:
             if first_sched is not None:
                 self._prefill.observe(first - first_sched)
             self._decode.observe(last - first)
-            if n >= 2:
-                self._tpot.observe((last - first) / (n - 1))
+            if n >= 2 and end is not None:
+                self._tpot.observe((end - first) / (n - 1))  # (E2E - TTFT) / (tokens - 1)
         self._req_prompt.observe(len(req.prompt_token_ids))
         self._req_generation.observe(len(req.output_token_ids))
 
