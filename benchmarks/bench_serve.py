@@ -9,7 +9,7 @@ Reports, in one run on one machine:
 Client and server share the machine's cores, so the client's own CPU time is part of what the
 HTTP path costs here; on a real deployment they would be apart.
 
-    .venv/bin/python benchmarks/bench_serve.py [--rates 0.5,1,2,4 --num-prompts 24 --length-scale 0.25]
+    .venv/bin/python benchmarks/bench_serve.py [--rates 0.5,1,2,4,8 --num-prompts 48 --length-scale 0.5]
 """
 
 from __future__ import annotations
@@ -47,20 +47,37 @@ def start_server(model: str, port: int) -> subprocess.Popen:
     raise RuntimeError("server did not become healthy within 180 s")
 
 
-def bench(extra: list[str], a) -> list[dict]:
-    argv = ["--dataset-name", "mix", "--num-prompts", str(a.num_prompts), "--seed", str(a.seed),
+def bench(extra: list[str], a, seed: int, num_prompts: int | None = None) -> dict:
+    """One `minserve bench serve` run. Every measured run gets its own seed, hence its own
+    requests: repeating the same prompts would let the prefix cache replay earlier runs."""
+    argv = ["--dataset-name", "mix", "--num-prompts", str(num_prompts or a.num_prompts), "--seed", str(seed),
             "--length-scale", str(a.length_scale), "--goodput", f"ttft:{a.slo_ttft_ms}", f"tpot:{a.slo_tpot_ms}",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--disable-tqdm", *extra]
-    return run(build_parser().parse_args(argv))
+    return run(build_parser().parse_args(argv))[0]
+
+
+def inprocess(a, seed: int) -> dict:
+    """The same workload straight on an engine with the server's (default) engine arguments,
+    after a warm-up run of other requests."""
+    from minserve.bench.datasets import get_samples
+    from minserve.bench.inprocess import run_inprocess
+    from minserve.engine.llm_engine import LLMEngine
+    engine = LLMEngine.from_engine_args(a.model)
+    kw = dict(ignore_eos=True, percentile_metrics=["ttft", "tpot", "itl", "e2el"], metric_percentiles=[50.0, 99.0],
+              goodput={"ttft": a.slo_ttft_ms, "tpot": a.slo_tpot_ms})
+    warm = get_samples("mix", engine.tokenizer, 8, seed + 1000, length_scale=a.length_scale)
+    run_inprocess(engine, warm, **kw)
+    reqs = get_samples("mix", engine.tokenizer, a.num_prompts, seed, length_scale=a.length_scale)
+    return run_inprocess(engine, reqs, a.overhead_rate, 1.0, seed, **kw).summary
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--rates", default="0.5,1,2,4")
-    ap.add_argument("--num-prompts", type=int, default=24)
-    ap.add_argument("--length-scale", type=float, default=0.25)
+    ap.add_argument("--rates", default="0.5,1,2,4,8")
+    ap.add_argument("--num-prompts", type=int, default=48)
+    ap.add_argument("--length-scale", type=float, default=0.5)
     ap.add_argument("--slo-ttft-ms", type=float, default=2000)
     ap.add_argument("--slo-tpot-ms", type=float, default=250)
     ap.add_argument("--overhead-rate", type=float, default=1.0)
@@ -69,13 +86,18 @@ def main() -> None:
     a = ap.parse_args()
     port = free_port()
     server = start_server(a.model, port)
+    rates = [float(r) for r in a.rates.split(",")]
     try:
-        sweep = bench(["--port", str(port), "--request-rate", a.rates, "--result-dir", "benchmarks/results/serve"], a)
-        http = bench(["--port", str(port), "--request-rate", str(a.overhead_rate)], a)[0]
+        # Warm-up (not reported): a fresh process pays one-off costs on its first long prefills
+        # (allocator growth, thread pools), which would land in the first rate's p99 TTFT.
+        bench(["--port", str(port), "--request-rate", "inf"], a, seed=a.seed + 999, num_prompts=8)
+        sweep = [bench(["--port", str(port), "--request-rate", str(r)], a, seed=a.seed + i)
+                 for i, r in enumerate(rates)]
+        http = bench(["--port", str(port), "--request-rate", str(a.overhead_rate)], a, seed=a.seed + 100)
     finally:
         server.terminate()
         server.wait(timeout=60)
-    inproc = bench(["--backend", "inprocess", "--model", a.model, "--request-rate", str(a.overhead_rate)], a)[0]
+    inproc = inprocess(a, seed=a.seed + 100)
     report(sweep, http, inproc, a)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"sweep": sweep, "http": http, "inprocess": inproc}, indent=2, default=str))
