@@ -157,3 +157,14 @@ def test_kv_cache_sized_from_memory_budget():
     assert spec.bytes_per_token == per_token
     assert spec.num_blocks == 2**20 // (per_token * 16)
     assert llm.llm_engine.max_model_len == spec.max_tokens
+
+
+def test_bfloat16_weights_keep_fp32_rope_tables():
+    llm = LLM("tiny-llama", num_kv_blocks=32, dtype="bfloat16")
+    model = llm.llm_engine.runner.model
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert model.rotary.cos.dtype == torch.float32 and model.rotary.sin_signed.dtype == torch.float32
+    assert llm.llm_engine.kv_spec.bytes_per_token == 2 * 2 * 2 * 16 * 2  # 2 bytes per element
+    out = llm.generate("bf16 works", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 5
+    assert_all_blocks_free(llm)

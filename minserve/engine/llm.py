@@ -37,8 +37,7 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 rid = str(next(self._ids))
                 # The offline API returns whole outputs; streaming kinds are for the engine API.
-                self.llm_engine.add_request(rid, prompt, p.clone() if p.output_kind is RequestOutputKind.FINAL_ONLY
-                                            else _final_only(p))
+                self.llm_engine.add_request(rid, prompt, _final_only(p))
                 ids.append(rid)
             return self._run(ids, use_tqdm)
         except BaseException:

@@ -33,7 +33,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.model = LlamaForCausalLM(loaded.config, loaded.weights, max_model_len)
         self.model.to(device=self.device, dtype=config.torch_dtype)
-        self.model.rotary.float()  # keep the cos/sin tables exact; cast per step
+        self.model.rotary.build_tables(self.device)  # fp32 tables whatever the model dtype
         self.kv_caches = allocate_kv_tensors(loaded.config, spec, config.torch_dtype, config.device)
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)

@@ -90,13 +90,22 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
+        self._args = (head_dim, max_positions, theta, scaling)
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin_signed", torch.empty(0), persistent=False)
+        self.build_tables()
+
+    def build_tables(self, device: torch.device | str = "cpu") -> None:
+        """(Re)compute the tables in fp32 on ``device``. Called again after the model is cast to
+        a half dtype, which would otherwise have rounded the tables too."""
+        head_dim, max_positions, theta, scaling = self._args
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", torch.cat((freqs, freqs), dim=-1).cos(), persistent=False)
+        self.cos = torch.cat((freqs, freqs), dim=-1).cos().to(device)
         # The sign of rotate_half is folded into the table: rotate_half(x) * sin equals
         # roll(x, half) * [-sin, sin] exactly (negation is exact), with one op fewer per layer.
         sin = freqs.sin()
-        self.register_buffer("sin_signed", torch.cat((-sin, sin), dim=-1), persistent=False)
+        self.sin_signed = torch.cat((-sin, sin), dim=-1).to(device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin of shape [T, 1, head_dim], broadcasting over heads."""
