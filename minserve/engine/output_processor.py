@@ -28,7 +28,9 @@ class OutputProcessor:
         req.output_token_ids.append(token_id)
         req.timeline.token_s.append(time.perf_counter())
         if logprobs is not None:
-            req.output_logprobs.append((logprobs, rank))
+            # Built once per token here, not rebuilt for the whole output at every step.
+            req.output_logprobs.append(self._logprob_dict(logprobs, rank))
+            req.cumulative_logprob += logprobs[0][1]
         p = req.params
         n_out = len(req.output_token_ids)
         prev_len = len(req.output_text)
@@ -81,29 +83,26 @@ class OutputProcessor:
         if kind is RequestOutputKind.FINAL_ONLY and not req.finished:
             return None
         text, token_ids = req.output_text, req.output_token_ids
-        logprobs = self._logprob_dicts(req) if req.params.logprobs is not None else None
+        asked = req.params.logprobs is not None
+        logprobs = req.output_logprobs if asked else None
         if kind is RequestOutputKind.DELTA:
-            # Hold back a trailing replacement char: the next token may complete that character.
-            end = len(text) if req.finished else len(text.rstrip("\ufffd"))
-            text, token_ids = text[req.sent_text_len:end], token_ids[req.sent_tokens_len:]
-            logprobs = logprobs[req.sent_tokens_len:] if logprobs is not None else None
-            req.sent_text_len, req.sent_tokens_len = end, len(req.output_token_ids)
-        cum = (sum(entries[0][1] for entries, _ in req.output_logprobs) if req.params.logprobs is not None else None)
-        completion = CompletionOutput(0, text, list(token_ids), cum, logprobs, req.finish_reason,
-                                      req.stop_reason)
+            # output_text never ends in a partial character (the detokenizer holds those back),
+            # so every delta is printable as it is.
+            text, token_ids = text[req.sent_text_len:], token_ids[req.sent_tokens_len:]
+            logprobs = logprobs[req.sent_tokens_len:] if asked else None
+            req.sent_text_len, req.sent_tokens_len = len(req.output_text), len(req.output_token_ids)
+        completion = CompletionOutput(0, text, list(token_ids), req.cumulative_logprob if asked else None,
+                                      list(logprobs) if asked else None, req.finish_reason, req.stop_reason)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
                              req.finished, self.metrics(req), num_cached_tokens=req.num_cached_tokens)
 
-    def _logprob_dicts(self, req: Request) -> list[dict[int, Logprob]]:
-        out = []
-        for entries, sampled_rank in req.output_logprobs:
-            # vLLM's layout: the sampled token first, then the top-N by rank (it may repeat).
-            sampled, lp = entries[0]
-            d: dict[int, Logprob] = {sampled: Logprob(lp, sampled_rank, self.tokenizer.decode([sampled]))}
-            for rank, (tok, lp) in enumerate(entries[1:], start=1):
-                d.setdefault(tok, Logprob(lp, rank, self.tokenizer.decode([tok])))
-            out.append(d)
-        return out
+    def _logprob_dict(self, entries: list[tuple[int, float]], sampled_rank: int | None) -> dict[int, Logprob]:
+        """vLLM's layout: the sampled token first, then the top-N by rank (it may repeat)."""
+        sampled, lp = entries[0]
+        d: dict[int, Logprob] = {sampled: Logprob(lp, sampled_rank, self.tokenizer.decode([sampled]))}
+        for rank, (tok, tok_lp) in enumerate(entries[1:], start=1):
+            d.setdefault(tok, Logprob(tok_lp, rank, self.tokenizer.decode([tok])))
+        return d
 
     def metrics(self, req: Request) -> RequestMetrics:
         t = req.timeline

@@ -66,7 +66,8 @@ class Request:
     cache_salt: str | None = None
     priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[tuple[list[tuple[int, float]], int | None]] = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)  # per token: {token_id: Logprob}, if asked
+    cumulative_logprob: float = 0.0
     output_text: str = ""
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
