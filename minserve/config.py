@@ -66,6 +66,10 @@ class EngineConfig:
     seed: int = 0
     enable_chunked_prefill: bool = True
     disable_log_stats: bool = False  # vLLM's switch: no Prometheus metrics (timelines are kept)
+    # minserve's own switch (vLLM has no CPU equivalent): run decode-only steps through the fused
+    # C kernel (minserve/kernels/decode.py). None = when it can (CPU, float32, a C compiler);
+    # True = always, failing loudly if it cannot build; False = never (the PyTorch path only).
+    fused_decode: bool | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
@@ -86,6 +90,8 @@ class EngineConfig:
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         _check_int("seed", self.seed, 0)
+        if self.fused_decode not in (None, True, False):
+            raise ValueError(f"fused_decode must be None (auto), True or False, got {self.fused_decode!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

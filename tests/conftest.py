@@ -13,6 +13,14 @@ def tiny_llm():
 
 
 @pytest.fixture(scope="session")
+def tiny_llm_torch_decode():
+    """tiny-llama with decode steps on the PyTorch path (the default engine uses the C kernel)."""
+    from minserve import LLM
+    return LLM("tiny-llama", max_num_seqs=32, max_num_batched_tokens=256, num_kv_blocks=256,
+               fused_decode=False)
+
+
+@pytest.fixture(scope="session")
 def smol_llm():
     from minserve import LLM
     return LLM("smollm2-135m", max_num_seqs=32, max_num_batched_tokens=512, kv_cache_memory="512MiB")

@@ -26,12 +26,20 @@ def _compare(llm, prompts, max_tokens, batched: bool):
     return exact
 
 
-def test_tiny_batch1_exact(tiny_llm):
+# Both decode paths: the fused C kernel (the default on CPU) and the PyTorch model.
+TINY_ENGINES = pytest.mark.parametrize("engine", ["tiny_llm", "tiny_llm_torch_decode"])
+
+
+@TINY_ENGINES
+def test_tiny_batch1_exact(engine, request):
+    tiny_llm = request.getfixturevalue(engine)
     prompts = mixed_prompts(tiny_llm.get_tokenizer(), 3, 5, 120)
     assert _compare(tiny_llm, prompts, 24, batched=False) == 3
 
 
-def test_tiny_batch_of_20_mixed_lengths(tiny_llm):
+@TINY_ENGINES
+def test_tiny_batch_of_20_mixed_lengths(engine, request):
+    tiny_llm = request.getfixturevalue(engine)
     prompts = mixed_prompts(tiny_llm.get_tokenizer(), 20, 1, 300, seed=1)
     exact = _compare(tiny_llm, prompts, 24, batched=True)
     assert exact >= 18, f"only {exact}/20 sequences matched exactly"

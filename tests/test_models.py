@@ -9,25 +9,16 @@ from minserve import LLM, SamplingParams
 from minserve.models.loader import _smollm2_tokenizer_dir
 from minserve.models.tiny import write_tiny_model
 from reference import check_greedy_close, hf_greedy
-
-VARIANTS = {
-    "llama-tied": {"tie_word_embeddings": True},
-    "llama3-rope-scaling": {"rope_theta": 500000.0, "rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64}},
-    "llama-linear-rope": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-    "qwen2-qkv-bias": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_bias": True,
-                       "use_sliding_window": False},
-    "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None},
-    "mha-no-gqa": {"num_key_value_heads": 4},
-}
+from variants import VARIANTS
 
 
+
+@pytest.mark.parametrize("fused_decode", [True, False], ids=["fused-decode", "torch-decode"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_architecture_variant_matches_transformers(variant, tmp_path):
+def test_architecture_variant_matches_transformers(variant, fused_decode, tmp_path):
     path = write_tiny_model(tmp_path / variant, seed=3, tokenizer_dir=_smollm2_tokenizer_dir(),
                             overrides=VARIANTS[variant])
-    llm = LLM(str(path), num_kv_blocks=64, max_num_batched_tokens=48)
+    llm = LLM(str(path), num_kv_blocks=64, max_num_batched_tokens=48, fused_decode=fused_decode)
     prompt = list(range(500, 600))  # 100 tokens: past the llama3 variant's original context of 64
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=16,
                                                                     ignore_eos=True), use_tqdm=False)[0]

@@ -8,6 +8,7 @@ logits (the last new token of every sequence that reaches the end of its known t
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +18,12 @@ from minserve.config import EngineConfig
 from minserve.engine.kv_cache import KVCacheManager, KVCacheSpec, allocate_kv_tensors
 from minserve.engine.sampler import Sampler, SamplingBatch
 from minserve.engine.scheduler import SchedulerOutput
+from minserve.kernels.build import KernelUnavailable
+from minserve.kernels.decode import FusedDecoder
 from minserve.models.llama import LlamaForCausalLM
 from minserve.models.loader import LoadedModel
+
+log = logging.getLogger("minserve")
 
 
 @dataclass
@@ -38,6 +43,7 @@ class ModelRunner:
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
         self.block_size = spec.block_size
+        self.fused = _fused_decoder(self.model, self.kv_caches, config)
 
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> dict[str, SampledToken]:
         """Run the step; return the sampled token of every request whose step ends in a sample."""
@@ -55,8 +61,11 @@ class ModelRunner:
                                         [kv.block_table(s.request.request_id) for s in sched.scheduled],
                                         self.block_size, self.device)
         to = dict(dtype=torch.long, device=self.device)
-        logits = self.model(torch.tensor(tokens, **to), torch.tensor(positions, **to), self.kv_caches,
-                            meta, torch.tensor(logits_rows, **to))
+        ids, pos, rows = (torch.tensor(v, **to) for v in (tokens, positions, logits_rows))
+        if self.fused is not None and self.fused.supports([s.num_new_tokens for s in sched.scheduled]):
+            logits = self.fused(ids, pos, meta.groups[0].kv_blocks, rows)  # one group: all decodes
+        else:
+            logits = self.model(ids, pos, self.kv_caches, meta, rows)
         sampling = [s.request for s in sched.scheduled if s.samples]
         if not sampling:
             return {}
@@ -71,6 +80,21 @@ class ModelRunner:
 
     def weight_bytes(self) -> int:
         return self.model.weight_bytes()
+
+
+def _fused_decoder(model, kv_caches, config: EngineConfig) -> FusedDecoder | None:
+    """The fused C decode path when the config allows it and it works here (see EngineConfig)."""
+    if config.fused_decode is False:
+        return None
+    try:
+        fused = FusedDecoder(model, kv_caches, max_batch=config.max_num_seqs)
+    except KernelUnavailable as e:
+        if config.fused_decode:
+            raise ValueError(f"fused_decode=True but the fused decode kernel is unavailable: {e}") from e
+        log.info("decode steps run in PyTorch (fused decode kernel unavailable: %s)", e)
+        return None
+    log.info("decode steps run in the fused C kernel (%s)", fused.library_name)
+    return fused
 
 
 def _banned_tokens(req) -> list[int]:

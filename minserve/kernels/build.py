@@ -1,0 +1,93 @@
+"""Compile minserve's C kernels on first use and load them with ctypes.
+
+The C sources ship inside the package (``minserve/kernels/csrc``). The first process that needs a
+kernel compiles it with the machine's C compiler for *this* CPU (``-march=native``: AVX-512 where
+there is one) into ``$MINSERVE_CACHE/kernels``, under a name that hashes the source, the flags, the
+compiler and the CPU, so an edited source or a different machine never picks up a stale binary.
+Compiling takes about a second; later processes only load the file.
+
+The library links the OpenMP runtime PyTorch already loaded (``libgomp.so.1``), so our parallel
+loops and PyTorch's share one thread pool instead of fighting over the cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+from minserve.models.loader import cache_dir
+
+SOURCE_DIR = Path(__file__).parent / "csrc"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast",
+         "-std=c11", "-shared", "-fPIC"]
+
+
+class KernelUnavailable(RuntimeError):
+    """The C kernels cannot be used here (no compiler, a failed build, ...); the message says why."""
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        raise KernelUnavailable("no C compiler found: install gcc (Debian: apt install gcc) or set CC")
+    return cc
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's feature flags where Linux lists them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() + platform.machine()
+
+
+def library_path(name: str) -> Path:
+    """Where the compiled ``name`` kernel lives (or will live) for this source, compiler and CPU."""
+    cc = _compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"the C compiler {cc!r} does not run: {e}") from e
+    source = (SOURCE_DIR / f"{name}.c").read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+                                     _cpu_signature().encode()])).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"lib{name}-{key}.so"
+
+
+def build(name: str) -> Path:
+    """Compile ``csrc/<name>.c`` unless this exact build is cached; return the library's path."""
+    out = library_path(name)
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.so")  # rename is atomic: no half-written .so
+    cmd = [_compiler(), *FLAGS, str(SOURCE_DIR / f"{name}.c"), "-o", str(tmp), "-lm"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"compiling {name}.c failed to run: {e}") from e
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise KernelUnavailable(f"compiling {name}.c failed ({' '.join(cmd)}):\n{done.stderr.strip()}")
+    os.replace(tmp, out)
+    return out
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL:
+    """The compiled kernel library ``name``, built on first use. Raises KernelUnavailable."""
+    import torch  # noqa: F401  (loads PyTorch's libgomp first, so ours resolves to the same one)
+    path = build(name)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:
+        raise KernelUnavailable(f"cannot load {path}: {e}") from e

@@ -1,0 +1,201 @@
+/* A whole decode step of a Llama-family model in one call: the CPU fast path.
+ *
+ * Why this exists: at batch 1 a decode step reads every weight once (~540 MB for SmolLM2-135M in
+ * fp32), so its speed limit is memory bandwidth. PyTorch streams the big matrices near that limit,
+ * but the ~35 small operations per layer (norms, RoPE, KV writes, attention, residuals) each pay a
+ * dispatch from Python and together cost a third of the step. Here the same arithmetic runs in
+ * plain C: matrix-vector products are split over the OpenMP threads (the same libgomp PyTorch
+ * uses, so the two share one thread pool), everything else runs in the calling thread.
+ *
+ * Layout contracts (checked on the Python side, minserve/kernels/decode.py):
+ * - weights are row-major [out_features, in_features] fp32, q/k/v and gate/up fused as in llama.py;
+ * - the KV cache of a layer is [num_blocks, block_size, kv_heads, head_dim], addressed through
+ *   per-sequence block tables (int64, [batch, table_stride]);
+ * - RoPE uses the model's tables cos and sin_signed [max_positions, head_dim] (half-split layout,
+ *   the sign of rotate_half folded into the sin table).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* 16 floats: one AVX-512 register, or two AVX2 registers; unaligned loads are fine (aligned(4)). */
+typedef float vf16 __attribute__((vector_size(64), aligned(4)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+
+#define MAX_BATCH_PASS 8   /* input rows multiplied per pass over a weight tile */
+#define ROW_TILE 16        /* weight rows per OpenMP work item: 16 x hidden floats stay in L2 */
+
+typedef struct {
+    const float *input_norm, *qkv, *qkv_bias, *o_proj, *post_norm, *gate_up, *down;
+    float *k_cache, *v_cache;
+} LayerPtrs;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab, block_size;
+    float eps, scale;
+    const float *embed, *final_norm, *lm_head, *cos, *sin_signed;
+    const LayerPtrs *layers;
+} ModelPtrs;
+
+typedef struct {   /* caller-owned scratch, sized for the largest batch and context */
+    float *h, *x, *qkv, *attn, *gate_up, *act, *scores;
+    int64_t scores_stride;   /* floats per (sequence, head) row of scores: >= longest context */
+} Scratch;
+
+/* Sum of the 16 lanes as a tree of vector adds: a lane-by-lane loop would be a chain of 15
+ * dependent additions per output row, which dominates once several inputs share a weight load. */
+static inline float hsum(vf16 v) {
+    vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
+          + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* y[b, r] (+)= W[r, :] . x[b, :] for rows r in [r0, r1) and nb <= MAX_BATCH_PASS inputs.
+ * Each weight vector is loaded once and multiplied into every input row. */
+static inline __attribute__((always_inline)) void
+dot_rows(const float *restrict W, int64_t in, int64_t r0, int64_t r1, const float *restrict x,
+         int64_t ldx, float *restrict y, int64_t ldy, const int nb, int accumulate) {
+    for (int64_t r = r0; r < r1; r++) {
+        const float *w = W + r * in;
+        vf16 acc[MAX_BATCH_PASS];
+        for (int b = 0; b < nb; b++) acc[b] = (vf16){0};
+        int64_t i = 0;
+        for (; i + 16 <= in; i += 16) {
+            vf16 wv = *(const vf16 *)(w + i);
+            for (int b = 0; b < nb; b++) acc[b] += wv * *(const vf16 *)(x + b * ldx + i);
+        }
+        for (int b = 0; b < nb; b++) {
+            float s = hsum(acc[b]);
+            for (int64_t j = i; j < in; j++) s += w[j] * x[b * ldx + j];
+            if (accumulate) y[b * ldy + r] += s; else y[b * ldy + r] = s;
+        }
+    }
+}
+
+/* y[B, out] = x[B, in] @ W.T (+ bias), or y += that when accumulate (the residual add for free).
+ * Threads split the output rows; a row tile is re-read from cache for every group of 4 inputs,
+ * so DRAM sees each weight once per step whatever the batch. */
+void ms_matmul(const float *W, const float *bias, const float *x, float *y, int64_t B, int64_t in,
+               int64_t out, int accumulate) {
+    int64_t tiles = (out + ROW_TILE - 1) / ROW_TILE;
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t r0 = t * ROW_TILE, r1 = r0 + ROW_TILE < out ? r0 + ROW_TILE : out;
+        for (int64_t b = 0; b < B; b += MAX_BATCH_PASS) {
+            int64_t nb = B - b < MAX_BATCH_PASS ? B - b : MAX_BATCH_PASS;
+            const float *xb = x + b * in;
+            float *yb = y + b * out;
+            switch (nb) {   /* a constant nb per case: the loop over inputs unrolls into registers */
+#define CASE(n) case n: dot_rows(W, in, r0, r1, xb, in, yb, out, n, accumulate); break;
+            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+            }
+            if (bias)   /* after the dot products: a residual row gets its bias too */
+                for (int64_t k = 0; k < nb; k++)
+                    for (int64_t r = r0; r < r1; r++) yb[k * out + r] += bias[r];
+        }
+    }
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * w, per row (the mean of squares accumulated in fp32). */
+void ms_rms_norm(const float *x, const float *w, float *out, int64_t B, int64_t dim, float eps) {
+    for (int64_t b = 0; b < B; b++) {
+        const float *xb = x + b * dim;
+        float ss = 0.f;
+        for (int64_t i = 0; i < dim; i++) ss += xb[i] * xb[i];
+        float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) out[b * dim + i] = w[i] * (xb[i] * inv);
+    }
+}
+
+/* Rotate `heads` vectors of head_dim in place: v[d] = v[d] cos[d] + v[(d + half) % D] sin_signed[d]. */
+static void rope(float *v, int64_t heads, int64_t D, const float *cos, const float *sin_signed) {
+    int64_t half = D / 2;
+    float tmp[1024];
+    for (int64_t h = 0; h < heads; h++, v += D) {
+        memcpy(tmp, v, D * sizeof(float));
+        for (int64_t d = 0; d < D; d++) v[d] = tmp[d] * cos[d] + tmp[(d + half) % D] * sin_signed[d];
+    }
+}
+
+/* Softmax attention of one query head over n_ctx cached keys/values of one kv head. */
+static void attend(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
+                   int64_t n_ctx, int64_t bs, int64_t kv_head, int64_t Hkv, int64_t D, float scale,
+                   float *scores, float *out) {
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < n_ctx; t++) {
+        const float *k = k_cache + ((table[t / bs] * bs + t % bs) * Hkv + kv_head) * D;
+        float s = 0.f;
+        for (int64_t d = 0; d < D; d++) s += q[d] * k[d];
+        s *= scale;
+        scores[t] = s;
+        mx = s > mx ? s : mx;
+    }
+    float sum = 0.f;
+    for (int64_t t = 0; t < n_ctx; t++) {
+        scores[t] = expf(scores[t] - mx);
+        sum += scores[t];
+    }
+    for (int64_t d = 0; d < D; d++) out[d] = 0.f;
+    for (int64_t t = 0; t < n_ctx; t++) {
+        const float *v = v_cache + ((table[t / bs] * bs + t % bs) * Hkv + kv_head) * D;
+        float p = scores[t];
+        for (int64_t d = 0; d < D; d++) out[d] += p * v[d];
+    }
+    float inv = 1.0f / sum;
+    for (int64_t d = 0; d < D; d++) out[d] *= inv;
+}
+
+/* RoPE on q and k, the new k/v written to their slots, then every (sequence, head) attends. */
+static void attention_block(const ModelPtrs *m, const LayerPtrs *L, const Scratch *s, int64_t B,
+                            const int64_t *positions, const int64_t *tables, int64_t table_stride) {
+    int64_t H = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim, bs = m->block_size;
+    int64_t qkv_dim = (H + 2 * Hkv) * D;
+    for (int64_t b = 0; b < B; b++) {
+        float *row = s->qkv + b * qkv_dim;
+        int64_t pos = positions[b];
+        rope(row, H + Hkv, D, m->cos + pos * D, m->sin_signed + pos * D);  /* q and k heads adjoin */
+        int64_t slot = tables[b * table_stride + pos / bs] * bs + pos % bs;
+        memcpy(L->k_cache + slot * Hkv * D, row + H * D, Hkv * D * sizeof(float));
+        memcpy(L->v_cache + slot * Hkv * D, row + (H + Hkv) * D, Hkv * D * sizeof(float));
+    }
+    #pragma omp parallel for schedule(static)
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        int64_t b = bh / H, h = bh % H;
+        attend(s->qkv + b * qkv_dim + h * D, L->k_cache, L->v_cache, tables + b * table_stride,
+               positions[b] + 1, bs, h / (H / Hkv), Hkv, D, m->scale, s->scores + bh * s->scores_stride,
+               s->attn + b * H * D + h * D);
+    }
+}
+
+static void silu_mul(const float *gate_up, float *out, int64_t B, int64_t inter) {
+    for (int64_t b = 0; b < B; b++) {
+        const float *g = gate_up + b * 2 * inter, *u = g + inter;
+        for (int64_t i = 0; i < inter; i++) out[b * inter + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* One decode token for each of B sequences: embeddings in, logits of the given rows out. */
+void ms_decode_step(const ModelPtrs *m, const Scratch *s, int64_t B, const int64_t *token_ids,
+                    const int64_t *positions, const int64_t *tables, int64_t table_stride,
+                    const int64_t *logit_rows, int64_t n_logits, float *logits) {
+    int64_t E = m->hidden, H = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim;
+    int64_t qkv_dim = (H + 2 * Hkv) * D, I = m->intermediate;
+    for (int64_t b = 0; b < B; b++) memcpy(s->h + b * E, m->embed + token_ids[b] * E, E * sizeof(float));
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const LayerPtrs *L = &m->layers[l];
+        ms_rms_norm(s->h, L->input_norm, s->x, B, E, m->eps);
+        ms_matmul(L->qkv, L->qkv_bias, s->x, s->qkv, B, E, qkv_dim, 0);
+        attention_block(m, L, s, B, positions, tables, table_stride);
+        ms_matmul(L->o_proj, NULL, s->attn, s->h, B, H * D, E, 1);          /* h += o_proj(attn) */
+        ms_rms_norm(s->h, L->post_norm, s->x, B, E, m->eps);
+        ms_matmul(L->gate_up, NULL, s->x, s->gate_up, B, E, 2 * I, 0);
+        silu_mul(s->gate_up, s->act, B, I);
+        ms_matmul(L->down, NULL, s->act, s->h, B, I, E, 1);                 /* h += down(act) */
+    }
+    for (int64_t r = 0; r < n_logits; r++)
+        ms_rms_norm(s->h + logit_rows[r] * E, m->final_norm, s->x + r * E, 1, E, m->eps);
+    ms_matmul(m->lm_head, NULL, s->x, logits, n_logits, E, m->vocab, 0);
+}

@@ -1,0 +1,143 @@
+"""The fused C decode step computes what the PyTorch model computes, and the engine uses it.
+
+The PyTorch path is itself checked token for token against transformers (test_models.py,
+test_correctness_vs_transformers.py run both paths); here the two paths are compared directly on
+logits and on the K/V they write, for every architecture variant, with batches of sequences whose
+block tables are scattered across the pool and whose contexts cross block boundaries.
+"""
+
+import ctypes
+import shutil
+
+import pytest
+import torch
+
+from minserve import LLM, SamplingParams
+from minserve.attention import build_attention_metadata
+from minserve.kernels import build as kernel_build
+from minserve.kernels.build import KernelUnavailable
+from minserve.models.loader import _smollm2_tokenizer_dir
+from minserve.models.tiny import write_tiny_model
+from conftest import assert_all_blocks_free
+from variants import VARIANTS
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: the fused decode kernel cannot be built")
+
+CONTEXTS = [5, 70, 600]  # one block, several, and past the kernel's initial softmax scratch (256)
+
+
+def _scattered_tables(contexts: list[int], num_blocks: int, block_size: int, seed: int) -> list[list[int]]:
+    """Disjoint, shuffled block tables: attention must follow the table, not assume order."""
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables, i = [], 0
+    for ctx in contexts:
+        n = ctx // block_size + 1
+        tables.append(order[i:i + n])
+        i += n
+    return tables
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fused_step_matches_torch_forward(variant, tmp_path):
+    path = write_tiny_model(tmp_path / variant, seed=5, tokenizer_dir=_smollm2_tokenizer_dir(),
+                            overrides=VARIANTS[variant])
+    llm = LLM(str(path), num_kv_blocks=64, fused_decode=True, max_model_len=1024)
+    runner = llm.llm_engine.runner
+    bs = runner.block_size
+    torch.manual_seed(0)
+    for k, v in runner.kv_caches:  # a populated cache: random keys/values as earlier steps left them
+        k.normal_()
+        v.normal_()
+    tables = _scattered_tables(CONTEXTS, 64, bs, seed=1)
+    meta = build_attention_metadata([1] * len(CONTEXTS), CONTEXTS, tables, bs)
+    ids, pos = torch.tensor([17, 4000, 123]), torch.tensor(CONTEXTS)
+    rows = torch.tensor([2, 0])  # logits for a subset of the rows, in another order
+    slots = meta.slot_mapping
+
+    ref = runner.model(ids, pos, runner.kv_caches, meta, rows)
+    ref_kv = [(k.view(-1, *k.shape[2:])[slots].clone(), v.view(-1, *v.shape[2:])[slots].clone())
+              for k, v in runner.kv_caches]
+    for k, v in runner.kv_caches:  # forget the new tokens' K/V: the fused step must write them itself
+        k.view(-1, *k.shape[2:])[slots] = 0
+        v.view(-1, *v.shape[2:])[slots] = 0
+    out = runner.fused(ids, pos, meta.groups[0].kv_blocks, rows)
+
+    assert out.shape == ref.shape == (2, llm.llm_engine.model_config.vocab_size)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    for (k, v), (rk, rv) in zip(runner.kv_caches, ref_kv):
+        torch.testing.assert_close(k.view(-1, *k.shape[2:])[slots], rk, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v.view(-1, *v.shape[2:])[slots], rv, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch,in_features,out_features", [(1, 576, 960), (11, 37, 5), (3, 16, 33)])
+@pytest.mark.parametrize("accumulate", [0, 1])
+def test_matmul_kernel_matches_linear(batch, in_features, out_features, accumulate):
+    """Odd sizes (tails shorter than a vector, more inputs than one pass) and the residual mode."""
+    lib = kernel_build.load("decode")
+    g = torch.Generator().manual_seed(batch)
+    w, b = torch.randn(out_features, in_features, generator=g), torch.randn(out_features, generator=g)
+    x, y = torch.randn(batch, in_features, generator=g), torch.randn(batch, out_features, generator=g)
+    expected = torch.nn.functional.linear(x, w, b) + (y if accumulate else 0)
+    f32 = ctypes.POINTER(ctypes.c_float)
+    lib.ms_matmul(*(ctypes.cast(t.data_ptr(), f32) for t in (w, b, x, y)), ctypes.c_int64(batch),
+                  ctypes.c_int64(in_features), ctypes.c_int64(out_features), accumulate)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4)
+
+
+class CountingDecoder:
+    """Wraps the engine's fused decoder to record the batch size of every call."""
+
+    def __init__(self, inner):
+        self.inner, self.batches = inner, []
+
+    def supports(self, query_lens):
+        return self.inner.supports(query_lens)
+
+    def __call__(self, ids, *args):
+        self.batches.append(len(ids))
+        return self.inner(ids, *args)
+
+
+def test_engine_runs_decode_steps_through_the_kernel():
+    llm = LLM("tiny-llama", num_kv_blocks=64, max_num_batched_tokens=64, fused_decode=True)
+    eng = llm.llm_engine
+    eng.runner.fused = counting = CountingDecoder(eng.runner.fused)
+    prompts = [{"prompt_token_ids": list(range(100, 100 + n))} for n in (3, 90, 40)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8, 8]
+    # Every all-decode step, and only those, went through the kernel, with all its sequences.
+    decode_only = [s.num_decode_tokens for s in eng.step_stats if s.num_prefill_tokens == 0]
+    assert counting.batches == decode_only and sum(decode_only) > 0
+    assert_all_blocks_free(llm)
+
+
+def test_fused_decode_config_errors_and_fallback():
+    with pytest.raises(ValueError, match="fused_decode must be None"):
+        LLM("tiny-llama", num_kv_blocks=8, fused_decode="yes")
+    with pytest.raises(ValueError, match="fused_decode=True.*float32"):
+        LLM("tiny-llama", num_kv_blocks=8, dtype="bfloat16", fused_decode=True)
+    auto = LLM("tiny-llama", num_kv_blocks=8, dtype="bfloat16")  # auto: falls back to PyTorch
+    assert auto.llm_engine.runner.fused is None
+    out = auto.generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3
+    assert LLM("tiny-llama", num_kv_blocks=8, fused_decode=False).llm_engine.runner.fused is None
+
+
+def test_kernel_build_is_cached_and_keyed_by_flags(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINSERVE_CACHE", str(tmp_path))
+    first = kernel_build.build("decode")
+    mtime = first.stat().st_mtime_ns
+    assert kernel_build.build("decode") == first and first.stat().st_mtime_ns == mtime  # reused
+    monkeypatch.setattr(kernel_build, "FLAGS", kernel_build.FLAGS + ["-DMINSERVE_TEST_FLAG"])
+    assert kernel_build.library_path("decode") != first  # other flags, other binary
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]  # no temp files left
+
+
+def test_missing_compiler_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(KernelUnavailable, match="no-such-cc"):
+        kernel_build.build("decode")
