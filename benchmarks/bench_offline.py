@@ -6,7 +6,8 @@ state (clock, other load):
 
 1. memory bandwidth: a read-only stream (``torch.sum``) and a copy; the roofline uses the read figure
    because batch-1 decoding only *reads* the weights;
-2. batch-1 decode rate (1/TPOT), against that roofline: read GB/s / weight bytes per token;
+2. batch-1 decode rate (1/TPOT), against that roofline: read GB/s / weight bytes per token, for
+   minserve (fused C decode step), minserve's PyTorch path (`fused_decode=False`) and transformers;
 3. a mixed offline workload: minserve's continuous batching against static batches of ``generate``.
 
     .venv/bin/python benchmarks/bench_offline.py            # full run (several minutes on 2 idle cores)
@@ -186,26 +187,33 @@ def leading_agreement(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def bench_decode(llm: LLM, hf, args, weight_bytes: int, bw: dict) -> dict:
+def bench_decode(llm: LLM, llm_torch: LLM, hf, args, weight_bytes: int, bw: dict) -> dict:
+    """Batch-1 decode rate of minserve (fused C decode step, the default on CPU), of minserve's
+    PyTorch path (``fused_decode=False``: what the kernel buys) and of transformers."""
     prompt_ids = llm.get_tokenizer()(PROMPT).input_ids
     minserve_decode_rate(llm, prompt_ids, 8)   # warm-up: first-call allocations, thread pools
+    minserve_decode_rate(llm_torch, prompt_ids, 8)
     if hf:
         hf_decode_rate(*hf, prompt_ids, 8)
-    ms, tf, m_tok, t_tok = [], [], [], []
+    ms, mt, tf, m_tok, t_tok = [], [], [], [], []
     for _ in tqdm(range(args.runs), desc="batch-1 decode runs"):
         rate, m_tok = minserve_decode_rate(llm, prompt_ids, args.decode_tokens)   # alternate engines
-        ms.append(rate)                                                         # so drifts hit both
+        ms.append(rate)                                                         # so drifts hit all
+        mt.append(minserve_decode_rate(llm_torch, prompt_ids, args.decode_tokens)[0])
         if hf:
             rate, t_tok = hf_decode_rate(*hf, prompt_ids, args.decode_tokens)
             tf.append(rate)
     roofline = bw["read_GBps"] * 1e9 / weight_bytes
     out = {"prompt_tokens": len(prompt_ids), "decode_tokens": args.decode_tokens, "weight_bytes": weight_bytes,
-           "roofline_tok_s": roofline, "minserve_runs_tok_s": ms, "minserve_tok_s": statistics.median(ms)}
+           "roofline_tok_s": roofline, "minserve_runs_tok_s": ms, "minserve_tok_s": statistics.median(ms),
+           "torch_path_runs_tok_s": mt, "torch_path_tok_s": statistics.median(mt)}
     out["minserve_vs_roofline"] = out["minserve_tok_s"] / roofline
+    out["torch_path_vs_roofline"] = out["torch_path_tok_s"] / roofline
     if tf:
         out.update(transformers_runs_tok_s=tf, transformers_tok_s=statistics.median(tf))
         out["transformers_vs_roofline"] = out["transformers_tok_s"] / roofline
         out["ratio"] = out["minserve_tok_s"] / out["transformers_tok_s"]
+        out["torch_path_ratio"] = out["torch_path_tok_s"] / out["transformers_tok_s"]
         out["greedy_tokens_agree"] = leading_agreement(m_tok, t_tok)
     return out
 
@@ -267,6 +275,9 @@ def markdown(res: dict) -> str:
                      f"{fmt(100 * d['transformers_vs_roofline'] if 'ratio' in d else None, '.0f', '%')} | | "
                      f">= {TARGETS['decode_vs_roofline']:.0%} | "
                      f"{verdict(d['minserve_vs_roofline'], TARGETS['decode_vs_roofline'])} |")
+        lines.append(f"| batch-1 decode, minserve's PyTorch path (`fused_decode=False`) (tok/s; % of roofline) | "
+                     f"{fmt(d['torch_path_tok_s'])}; {fmt(100 * d['torch_path_vs_roofline'], '.0f', '%')} | | "
+                     f"{fmt(d.get('torch_path_ratio'), '.2f', 'x')} | | |")
     if x:
         lines.append(f"| mixed, {x['num_requests']} requests, batch {x['batch_size']} (useful tok/s) | "
                      f"{fmt(x['minserve_tok_s'])} | {fmt(x.get('transformers_tok_s'))} | {fmt(x.get('ratio'), '.2f', 'x')} "
@@ -294,7 +305,9 @@ def main() -> None:
     hf = None if args.skip_transformers else load_hf(llm.llm_engine.config_path)
     res["weight_bytes"] = weight_bytes = llm.llm_engine.runner.weight_bytes()
     if not args.skip_decode:
-        res["decode"] = bench_decode(llm, hf, args, weight_bytes, res["bandwidth"])
+        llm_torch = LLM(args.model, max_num_seqs=1, kv_cache_memory="256MiB", fused_decode=False)
+        res["decode"] = bench_decode(llm, llm_torch, hf, args, weight_bytes, res["bandwidth"])
+        del llm_torch
         gc.collect()
     if not args.skip_mixed:
         res["mixed"] = bench_mixed(llm, hf, make_workload(llm.get_tokenizer(), args), args.batch_size)

@@ -141,3 +141,28 @@ def test_missing_compiler_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(KernelUnavailable, match="no-such-cc"):
         kernel_build.build("decode")
+
+
+def test_vectorized_exp_matches_torch_exp():
+    """Softmax and SiLU use the kernel's own 16-wide exp: compare it with torch.exp in float64."""
+    lib = kernel_build.load("decode")
+    lib.ms_exp_shifted.restype = ctypes.c_float
+    x = torch.cat([torch.linspace(-100, 100, 20001), torch.randn(999) * 10])  # a tail of 999 % 16
+    got = x.clone()
+    total = lib.ms_exp_shifted(ctypes.cast(got.data_ptr(), ctypes.POINTER(ctypes.c_float)),
+                               ctypes.c_int64(got.numel()), ctypes.c_float(1.5))
+    exact = torch.exp((x - 1.5).double())  # the shift is applied in float32, as in the kernel
+    # Outside [exp(-87), exp(88)] the kernel clamps: softmax weights that small vanish anyway, and
+    # exp(-g) beyond exp(88) already makes SiLU's g / (1 + exp(-g)) zero to float precision.
+    in_range = (exact > 1e-37) & (exact < 1e38)
+    rel = ((got.double() - exact).abs() / exact)[in_range]
+    assert rel.max() < 1e-6, f"max relative error {rel.max():.2e}"
+    assert (got[exact <= 1e-37] < 1e-37).all() and (got[exact >= 1e38] > 1e38).all()
+    assert torch.isfinite(got).all()
+    assert total == float("inf")  # the float sum of values up to 1e38 overflows, as it would in C
+    scores = torch.randn(1001) * 5  # softmax's use: shift by the max, sum the weights
+    weights = scores.clone()
+    total = lib.ms_exp_shifted(ctypes.cast(weights.data_ptr(), ctypes.POINTER(ctypes.c_float)),
+                               ctypes.c_int64(weights.numel()), ctypes.c_float(scores.max()))
+    torch.testing.assert_close(weights, torch.exp(scores - scores.max()), rtol=1e-6, atol=0)
+    assert abs(total - float(weights.double().sum())) <= 1e-5 * total

@@ -22,9 +22,12 @@
 typedef float vf16 __attribute__((vector_size(64), aligned(4)));
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
 
-#define MAX_BATCH_PASS 8   /* input rows multiplied per pass over a weight tile */
-#define ROW_TILE 16        /* weight rows per OpenMP work item: 16 x hidden floats stay in L2 */
+#define MAX_BATCH_PASS 8      /* input rows multiplied per pass over a weight tile */
+
+#define PREFETCH_FLOATS 256   /* software prefetch 1 KiB ahead of the weight stream */
+#define ROW_TILE 16           /* weight rows per OpenMP work item: 16 x hidden floats stay in L2 */
 
 typedef struct {
     const float *input_norm, *qkv, *qkv_bias, *o_proj, *post_norm, *gate_up, *down;
@@ -52,6 +55,35 @@ static inline float hsum(vf16 v) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+static inline vf16 splat(float v) { return (vf16){0} + v; }
+
+static inline vf16 vselect(vi16 mask, vf16 a, vf16 b) {
+    return (vf16)(((vi16)a & mask) | ((vi16)b & ~mask));
+}
+
+/* exp of 16 floats at once (libm's expf is one call per element, which dominated softmax and
+ * SiLU). Cephes' method: exp(x) = 2^n * exp(r) with n = round(x / ln 2), |r| <= ln(2) / 2, exp(r)
+ * from a degree-6 polynomial, ln 2 split in two parts so r is exact; within 2 ulp of expf. */
+static inline vf16 vexp(vf16 x) {
+    x = vselect(x > 88.0f, splat(88.0f), x);
+    x = vselect(x < -87.0f, splat(-87.0f), x);
+    vf16 t = x * 1.44269504088896341f + 0.5f;
+    vi16 n = __builtin_convertvector(t, vi16);
+    vf16 nf = __builtin_convertvector(n, vf16);
+    vi16 too_big = nf > t;                   /* truncation rounded a negative t up: floor it */
+    n += too_big;                            /* the mask is -1 where true */
+    nf = __builtin_convertvector(n, vf16);
+    vf16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    vf16 p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (vf16)((n + 127) << 23);      /* 2^n built from its exponent bits */
+}
+
 /* y[b, r] (+)= W[r, :] . x[b, :] for rows r in [r0, r1) and nb <= MAX_BATCH_PASS inputs.
  * Each weight vector is loaded once and multiplied into every input row. */
 static inline __attribute__((always_inline)) void
@@ -63,6 +95,7 @@ dot_rows(const float *restrict W, int64_t in, int64_t r0, int64_t r1, const floa
         for (int b = 0; b < nb; b++) acc[b] = (vf16){0};
         int64_t i = 0;
         for (; i + 16 <= in; i += 16) {
+            __builtin_prefetch(w + i + PREFETCH_FLOATS);
             vf16 wv = *(const vf16 *)(w + i);
             for (int b = 0; b < nb; b++) acc[b] += wv * *(const vf16 *)(x + b * ldx + i);
         }
@@ -120,31 +153,49 @@ static void rope(float *v, int64_t heads, int64_t D, const float *cos, const flo
     }
 }
 
+/* In-place exp(x - shift) over n floats; returns their sum. Exported for the tests. */
+float ms_exp_shifted(float *x, int64_t n, float shift) {
+    vf16 acc = (vf16){0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        vf16 e = vexp(*(vf16 *)(x + i) - shift);
+        *(vf16 *)(x + i) = e;
+        acc += e;
+    }
+    float sum = hsum(acc);
+    for (; i < n; i++) sum += (x[i] = expf(x[i] - shift));
+    return sum;
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    vf16 acc = (vf16){0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc += *(const vf16 *)(a + i) * *(const vf16 *)(b + i);
+    float s = hsum(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy(float a, const float *x, float *y, int64_t n) {   /* y += a x */
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) *(vf16 *)(y + i) += a * *(const vf16 *)(x + i);
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
 /* Softmax attention of one query head over n_ctx cached keys/values of one kv head. */
 static void attend(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
                    int64_t n_ctx, int64_t bs, int64_t kv_head, int64_t Hkv, int64_t D, float scale,
                    float *scores, float *out) {
     float mx = -INFINITY;
     for (int64_t t = 0; t < n_ctx; t++) {
-        const float *k = k_cache + ((table[t / bs] * bs + t % bs) * Hkv + kv_head) * D;
-        float s = 0.f;
-        for (int64_t d = 0; d < D; d++) s += q[d] * k[d];
-        s *= scale;
+        float s = dot(q, k_cache + ((table[t / bs] * bs + t % bs) * Hkv + kv_head) * D, D) * scale;
         scores[t] = s;
         mx = s > mx ? s : mx;
     }
-    float sum = 0.f;
-    for (int64_t t = 0; t < n_ctx; t++) {
-        scores[t] = expf(scores[t] - mx);
-        sum += scores[t];
-    }
-    for (int64_t d = 0; d < D; d++) out[d] = 0.f;
-    for (int64_t t = 0; t < n_ctx; t++) {
-        const float *v = v_cache + ((table[t / bs] * bs + t % bs) * Hkv + kv_head) * D;
-        float p = scores[t];
-        for (int64_t d = 0; d < D; d++) out[d] += p * v[d];
-    }
-    float inv = 1.0f / sum;
+    float inv = 1.0f / ms_exp_shifted(scores, n_ctx, mx);
+    memset(out, 0, D * sizeof(float));
+    for (int64_t t = 0; t < n_ctx; t++)
+        axpy(scores[t], v_cache + ((table[t / bs] * bs + t % bs) * Hkv + kv_head) * D, out, D);
     for (int64_t d = 0; d < D; d++) out[d] *= inv;
 }
 
@@ -170,10 +221,17 @@ static void attention_block(const ModelPtrs *m, const LayerPtrs *L, const Scratc
     }
 }
 
+/* SwiGLU: silu(gate) * up, with silu(g) = g / (1 + exp(-g)) as PyTorch computes it. */
 static void silu_mul(const float *gate_up, float *out, int64_t B, int64_t inter) {
     for (int64_t b = 0; b < B; b++) {
         const float *g = gate_up + b * 2 * inter, *u = g + inter;
-        for (int64_t i = 0; i < inter; i++) out[b * inter + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        float *o = out + b * inter;
+        int64_t i = 0;
+        for (; i + 16 <= inter; i += 16) {
+            vf16 gv = *(const vf16 *)(g + i);
+            *(vf16 *)(o + i) = gv / (1.0f + vexp(-gv)) * *(const vf16 *)(u + i);
+        }
+        for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
 
