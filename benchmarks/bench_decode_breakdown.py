@@ -1,9 +1,11 @@
 """Where a batch-1 decode step goes, and how long loading takes.
 
-Backs the README's explanation of the batch-1 roofline gap with numbers from this machine:
-- the full forward pass of one decode token (context ~300 tokens),
-- the same 121 weight matrix-vector products alone (the part the roofline counts), as GB/s,
-- the remainder: the small per-layer operations (norms, RoPE, KV writes, attention, residuals);
+Backs the README's explanation of batch-1 decode speed with numbers from this machine:
+- one decode token (context ~300 tokens) through the PyTorch model (``fused_decode=False``),
+- the same step through the fused C kernel (minserve/kernels/decode.py, the default on CPU),
+- the 121 weight matrix-vector products alone in PyTorch (the part the roofline counts), as GB/s,
+- the remainder of each path: the small per-layer operations (norms, RoPE, KV writes, attention,
+  residuals) and, for PyTorch, the cost of dispatching ~35 of them per layer from Python;
 and the load times: a fresh Python process that imports minserve and builds `LLM(model)` from the
 cache (warm), and optionally the first-use GGUF conversion into an empty cache (`--cold`).
 
@@ -50,11 +52,15 @@ def decode_breakdown(model: str) -> dict:
     args = (torch.tensor([5]), torch.tensor([300]), kv, meta, torch.tensor([0]))
     weights = [mod.weight for mod in m.modules() if isinstance(mod, Linear)]
     inputs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
+    fused = llm.llm_engine.runner.fused
+    if fused is None:
+        raise SystemExit("the fused decode kernel is unavailable here (see the engine's log)")
     forward_ms = timed_ms(lambda: m(*args))
+    fused_ms = timed_ms(lambda: fused(args[0], args[1], meta.groups[0].kv_blocks, args[4]))
     gemv_ms = timed_ms(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     return {"matrices": len(weights), "weight_mb": nbytes / 1e6, "forward_ms": forward_ms,
-            "gemv_ms": gemv_ms, "gemv_gb_s": nbytes / gemv_ms / 1e6, "other_ms": forward_ms - gemv_ms}
+            "fused_ms": fused_ms, "gemv_ms": gemv_ms, "gemv_gb_s": nbytes / gemv_ms / 1e6}
 
 
 def load_seconds(model: str, cache: str | None) -> tuple[float, float]:
@@ -76,10 +82,11 @@ def main() -> None:
     b = decode_breakdown(a.model)
     print(f"\n{a.model}, batch-1 decode step at ~300 tokens of context, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads\n")
-    print(f"forward pass:                 {b['forward_ms']:.1f} ms")
-    print(f"{b['matrices']} weight GEMVs alone:       {b['gemv_ms']:.1f} ms ({b['weight_mb']:.0f} MB at "
+    g = b["gemv_ms"]
+    print(f"{b['matrices']} weight GEMVs alone (PyTorch):   {g:.1f} ms ({b['weight_mb']:.0f} MB at "
           f"{b['gemv_gb_s']:.1f} GB/s)")
-    print(f"everything else (small ops):  {b['other_ms']:.1f} ms")
+    print(f"decode step, PyTorch model:        {b['forward_ms']:.1f} ms (GEMVs + {b['forward_ms'] - g:.1f} ms)")
+    print(f"decode step, fused C kernel:       {b['fused_ms']:.1f} ms (GEMVs {b['fused_ms'] - g:+.1f} ms)")
     proc = statistics.median(w[0] for w in warm)
     eng = statistics.median(w[1] for w in warm)
     print(f"\nwarm load, fresh process (median of 3): {proc:.1f} s (engine construction {eng:.1f} s)")

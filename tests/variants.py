@@ -10,4 +10,7 @@ VARIANTS = {
                        "use_sliding_window": False},
     "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None},
     "mha-no-gqa": {"num_key_value_heads": 4},
+    # Sizes that are not multiples of 16 floats: every vector loop of the fused kernel has a tail.
+    "odd-sizes": {"hidden_size": 72, "intermediate_size": 100, "num_attention_heads": 3,
+                  "num_key_value_heads": 1, "head_dim": 24},
 }

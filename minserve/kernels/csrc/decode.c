@@ -49,9 +49,9 @@ typedef struct {   /* caller-owned scratch, sized for the largest batch and cont
 /* Sum of the 16 lanes as a tree of vector adds: a lane-by-lane loop would be a chain of 15
  * dependent additions per output row, which dominates once several inputs share a weight load. */
 static inline float hsum(vf16 v) {
-    vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
-          + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    union { vf16 whole; vf8 half[2]; } u = {v};      /* unions, not shuffles: any GCC or clang */
+    union { vf8 whole; vf4 half[2]; } w = {u.half[0] + u.half[1]};
+    vf4 b = w.half[0] + w.half[1];
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
@@ -108,7 +108,7 @@ dot_rows(const float *restrict W, int64_t in, int64_t r0, int64_t r1, const floa
 }
 
 /* y[B, out] = x[B, in] @ W.T (+ bias), or y += that when accumulate (the residual add for free).
- * Threads split the output rows; a row tile is re-read from cache for every group of 4 inputs,
+ * Threads split the output rows; a row tile is re-read from cache for every group of 8 inputs,
  * so DRAM sees each weight once per step whatever the batch. */
 void ms_matmul(const float *W, const float *bias, const float *x, float *y, int64_t B, int64_t in,
                int64_t out, int accumulate) {
