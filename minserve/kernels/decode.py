@@ -73,7 +73,9 @@ class FusedDecoder:
         self.library_name = self._lib._name
         self._lib.ms_decode_step.restype = None
         self.max_batch = max_batch
-        self._keep = [model, kv_caches]  # the C side holds raw pointers into these tensors
+        # The C side holds raw pointers: keep every bound tensor alive. Replacing a weight tensor
+        # later (model.to(), quantizing in place) needs a new FusedDecoder.
+        self._keep = [model, kv_caches, model.rotary.cos, model.rotary.sin_signed]
         cfg = model.config
         self._layers = (_LayerPtrs * cfg.num_layers)(*[_layer_ptrs(layer, kv) for layer, kv
                                                        in zip(model.layers, kv_caches)])
