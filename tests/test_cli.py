@@ -13,3 +13,13 @@ def test_usage_and_unknown_commands(capsys):
     assert main([]) == 0 and "usage" in capsys.readouterr().out
     assert main(["frobnicate"]) == 2 and "unknown command" in capsys.readouterr().err
     assert main(["bench"]) == 2 and "bench serve" in capsys.readouterr().err
+
+
+def test_serve_flags_become_engine_arguments():
+    from minserve.config import EngineConfig
+    from minserve.server.cli import build_parser, engine_kwargs
+    args = build_parser().parse_args(["--no-fused-decode", "--max-num-seqs", "4", "--no-enable-prefix-caching"])
+    kwargs = engine_kwargs(args)
+    assert kwargs == {"fused_decode": False, "max_num_seqs": 4, "enable_prefix_caching": False}
+    assert EngineConfig.from_kwargs("tiny-llama", **kwargs).fused_decode is False
+    assert engine_kwargs(build_parser().parse_args([])) == {}  # unset flags keep the engine's defaults

@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--seed", type=int)
     eng.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     eng.add_argument("--device")
+    eng.add_argument("--fused-decode", action=argparse.BooleanOptionalAction, default=None,
+                     help="decode-only steps in the fused C kernel (default: whenever it can run)")
     adm = ap.add_argument_group("admission (per priority class; batch defaults to interactive's)")
     adm.add_argument("--max-queued-requests", type=int, default=256)
     adm.add_argument("--max-queued-tokens", type=int)
@@ -49,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 ENGINE_ARGS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory",
-               "max_model_len", "block_size", "enable_prefix_caching", "seed", "dtype", "device")
+               "max_model_len", "block_size", "enable_prefix_caching", "seed", "dtype", "device",
+               "fused_decode")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
