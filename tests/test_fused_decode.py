@@ -136,10 +136,15 @@ def test_kernel_build_is_cached_and_keyed_by_flags(tmp_path, monkeypatch):
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]  # no temp files left
 
 
-def test_missing_compiler_is_reported(tmp_path, monkeypatch):
-    monkeypatch.setenv("MINSERVE_CACHE", str(tmp_path))
+def test_missing_compiler_or_unwritable_cache_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINSERVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(KernelUnavailable, match="no-such-cc"):
+        kernel_build.build("decode")
+    monkeypatch.delenv("CC")
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.setenv("MINSERVE_CACHE", str(tmp_path / "file"))
+    with pytest.raises(KernelUnavailable, match="cannot create the kernel cache"):
         kernel_build.build("decode")
 
 
@@ -166,3 +171,18 @@ def test_vectorized_exp_matches_torch_exp():
                                ctypes.c_int64(weights.numel()), ctypes.c_float(scores.max()))
     torch.testing.assert_close(weights, torch.exp(scores - scores.max()), rtol=1e-6, atol=0)
     assert abs(total - float(weights.double().sum())) <= 1e-5 * total
+
+
+def test_engine_falls_back_with_a_warning_when_the_kernel_cannot_build(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    # Bypass the library this process already loaded: the engine must try (and fail) to build.
+    monkeypatch.setattr("minserve.kernels.decode.load", kernel_build.load.__wrapped__)
+    with caplog.at_level("WARNING", logger="minserve"):
+        llm = LLM("tiny-llama", num_kv_blocks=16)
+    assert llm.llm_engine.runner.fused is None
+    assert any("decode steps run in PyTorch" in r.message and "no-such-cc" in r.message
+               for r in caplog.records if r.levelname == "WARNING")
+    out = llm.generate("Hello", SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="fused_decode=True.*no-such-cc"):
+        LLM("tiny-llama", num_kv_blocks=16, fused_decode=True)

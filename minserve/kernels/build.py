@@ -68,7 +68,10 @@ def build(name: str) -> Path:
     out = library_path(name)
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KernelUnavailable(f"cannot create the kernel cache {out.parent}: {e} (set MINSERVE_CACHE)") from e
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.so")  # rename is atomic: no half-written .so
     cmd = [_compiler(), *FLAGS, str(SOURCE_DIR / f"{name}.c"), "-o", str(tmp), "-lm"]
     try:
