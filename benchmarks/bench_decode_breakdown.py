@@ -6,6 +6,8 @@ Backs the README's explanation of batch-1 decode speed with numbers from this ma
 - the 121 weight matrix-vector products alone in PyTorch (the part the roofline counts), as GB/s,
 - the remainder of each path: the small per-layer operations (norms, RoPE, KV writes, attention,
   residuals) and, for PyTorch, the cost of dispatching ~35 of them per layer from Python;
+- a decode step of 1, 4 and 16 sequences on both paths (where the batched kernel stops being
+  memory-bound);
 and the load times: a fresh Python process that imports minserve and builds `LLM(model)` from the
 cache (warm), and optionally the first-use GGUF conversion into an empty cache (`--cold`).
 
@@ -42,25 +44,33 @@ def timed_ms(fn, repeats: int = 5, inner: int = 10) -> float:
     return statistics.median(runs)
 
 
+def step_ms(llm, batch: int, context: int = 300) -> tuple[float, float]:
+    """(PyTorch model, fused kernel) time of one decode step of ``batch`` sequences."""
+    from minserve.attention import build_attention_metadata
+    runner, bs = llm.llm_engine.runner, llm.llm_engine.kv_spec.block_size
+    per_seq = context // bs + 1
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    meta = build_attention_metadata([1] * batch, [context] * batch, tables, bs)
+    ids, pos, rows = torch.full((batch,), 5), torch.full((batch,), context), torch.arange(batch)
+    torch_ms = timed_ms(lambda: runner.model(ids, pos, runner.kv_caches, meta, rows))
+    fused_ms = timed_ms(lambda: runner.fused(ids, pos, meta.groups[0].kv_blocks, rows))
+    return torch_ms, fused_ms
+
+
 def decode_breakdown(model: str) -> dict:
     from minserve import LLM
-    from minserve.attention import build_attention_metadata
     from minserve.models.layers import Linear
     llm = LLM(model, kv_cache_memory="256MiB")
-    m, kv = llm.llm_engine.runner.model, llm.llm_engine.runner.kv_caches
-    meta = build_attention_metadata([1], [300], [list(range(20))], llm.llm_engine.kv_spec.block_size)
-    args = (torch.tensor([5]), torch.tensor([300]), kv, meta, torch.tensor([0]))
-    weights = [mod.weight for mod in m.modules() if isinstance(mod, Linear)]
-    inputs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
-    fused = llm.llm_engine.runner.fused
-    if fused is None:
+    if llm.llm_engine.runner.fused is None:
         raise SystemExit("the fused decode kernel is unavailable here (see the engine's log)")
-    forward_ms = timed_ms(lambda: m(*args))
-    fused_ms = timed_ms(lambda: fused(args[0], args[1], meta.groups[0].kv_blocks, args[4]))
+    weights = [mod.weight for mod in llm.llm_engine.runner.model.modules() if isinstance(mod, Linear)]
+    inputs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
     gemv_ms = timed_ms(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])
     nbytes = sum(w.numel() * w.element_size() for w in weights)
-    return {"matrices": len(weights), "weight_mb": nbytes / 1e6, "forward_ms": forward_ms,
-            "fused_ms": fused_ms, "gemv_ms": gemv_ms, "gemv_gb_s": nbytes / gemv_ms / 1e6}
+    batches = {b: step_ms(llm, b) for b in (1, 4, 16)}
+    return {"matrices": len(weights), "weight_mb": nbytes / 1e6, "forward_ms": batches[1][0],
+            "fused_ms": batches[1][1], "gemv_ms": gemv_ms, "gemv_gb_s": nbytes / gemv_ms / 1e6,
+            "batches": batches}
 
 
 def load_seconds(model: str, cache: str | None) -> tuple[float, float]:
@@ -87,6 +97,9 @@ def main() -> None:
           f"{b['gemv_gb_s']:.1f} GB/s)")
     print(f"decode step, PyTorch model:        {b['forward_ms']:.1f} ms (GEMVs + {b['forward_ms'] - g:.1f} ms)")
     print(f"decode step, fused C kernel:       {b['fused_ms']:.1f} ms (GEMVs {b['fused_ms'] - g:+.1f} ms)")
+    print("\ndecode step of B sequences (~300 tokens of context each), ms: PyTorch model | fused kernel")
+    for batch, (t, f) in b["batches"].items():
+        print(f"  B={batch:<3} {t:7.1f} | {f:7.1f}   ({t / f:.2f}x)")
     proc = statistics.median(w[0] for w in warm)
     eng = statistics.median(w[1] for w in warm)
     print(f"\nwarm load, fresh process (median of 3): {proc:.1f} s (engine construction {eng:.1f} s)")
