@@ -42,7 +42,7 @@ def _scattered_tables(contexts: list[int], num_blocks: int, block_size: int, see
 def test_fused_step_matches_torch_forward(variant, tmp_path):
     path = write_tiny_model(tmp_path / variant, seed=5, tokenizer_dir=_smollm2_tokenizer_dir(),
                             overrides=VARIANTS[variant])
-    llm = LLM(str(path), num_kv_blocks=64, fused_decode=True, max_model_len=1024)
+    llm = LLM(str(path), num_kv_blocks=64, fused_decode=True, max_model_len=1024, device="cpu")
     runner = llm.llm_engine.runner
     bs = runner.block_size
     torch.manual_seed(0)
@@ -101,7 +101,8 @@ class CountingDecoder:
 
 
 def test_engine_runs_decode_steps_through_the_kernel():
-    llm = LLM("tiny-llama", num_kv_blocks=64, max_num_batched_tokens=64, fused_decode=True)
+    llm = LLM("tiny-llama", num_kv_blocks=64, max_num_batched_tokens=64, fused_decode=True,
+              device="cpu")
     eng = llm.llm_engine
     eng.runner.fused = counting = CountingDecoder(eng.runner.fused)
     prompts = [{"prompt_token_ids": list(range(100, 100 + n))} for n in (3, 90, 40)]
@@ -118,8 +119,8 @@ def test_fused_decode_config_errors_and_fallback():
     with pytest.raises(ValueError, match="fused_decode must be None"):
         LLM("tiny-llama", num_kv_blocks=8, fused_decode="yes")
     with pytest.raises(ValueError, match="fused_decode=True.*float32"):
-        LLM("tiny-llama", num_kv_blocks=8, dtype="bfloat16", fused_decode=True)
-    auto = LLM("tiny-llama", num_kv_blocks=8, dtype="bfloat16")  # auto: falls back to PyTorch
+        LLM("tiny-llama", num_kv_blocks=8, dtype="bfloat16", fused_decode=True, device="cpu")
+    auto = LLM("tiny-llama", num_kv_blocks=8, dtype="bfloat16", device="cpu")  # auto: falls back to PyTorch
     assert auto.llm_engine.runner.fused is None
     out = auto.generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3
@@ -178,11 +179,11 @@ def test_engine_falls_back_with_a_warning_when_the_kernel_cannot_build(tmp_path,
     # Bypass the library this process already loaded: the engine must try (and fail) to build.
     monkeypatch.setattr("minserve.kernels.decode.load", kernel_build.load.__wrapped__)
     with caplog.at_level("WARNING", logger="minserve"):
-        llm = LLM("tiny-llama", num_kv_blocks=16)
+        llm = LLM("tiny-llama", num_kv_blocks=16, device="cpu")
     assert llm.llm_engine.runner.fused is None
     assert any("decode steps run in PyTorch" in r.message and "no-such-cc" in r.message
                for r in caplog.records if r.levelname == "WARNING")
     out = llm.generate("Hello", SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="fused_decode=True.*no-such-cc"):
-        LLM("tiny-llama", num_kv_blocks=16, fused_decode=True)
+        LLM("tiny-llama", num_kv_blocks=16, fused_decode=True, device="cpu")

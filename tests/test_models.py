@@ -18,7 +18,8 @@ from variants import VARIANTS
 def test_architecture_variant_matches_transformers(variant, fused_decode, tmp_path):
     path = write_tiny_model(tmp_path / variant, seed=3, tokenizer_dir=_smollm2_tokenizer_dir(),
                             overrides=VARIANTS[variant])
-    llm = LLM(str(path), num_kv_blocks=64, max_num_batched_tokens=48, fused_decode=fused_decode)
+    llm = LLM(str(path), num_kv_blocks=64, max_num_batched_tokens=48, fused_decode=fused_decode,
+              device="cpu")  # the reference runs on CPU; so does the fused kernel
     prompt = list(range(500, 600))  # 100 tokens: past the llama3 variant's original context of 64
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=16,
                                                                     ignore_eos=True), use_tqdm=False)[0]
