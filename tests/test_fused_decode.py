@@ -187,3 +187,20 @@ def test_engine_falls_back_with_a_warning_when_the_kernel_cannot_build(tmp_path,
     assert len(out.outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="fused_decode=True.*no-such-cc"):
         LLM("tiny-llama", num_kv_blocks=16, fused_decode=True, device="cpu")
+
+
+def test_kernel_call_rejects_indices_that_would_leave_its_buffers():
+    llm = LLM("tiny-llama", num_kv_blocks=8, max_num_seqs=2, fused_decode=True, device="cpu")
+    fused = llm.llm_engine.runner.fused
+    ids, pos, tables, rows = torch.tensor([1, 2]), torch.tensor([3, 4]), torch.tensor([[0], [1]]), torch.tensor([0, 1])
+    assert fused(ids, pos, tables, rows).shape == (2, llm.llm_engine.model_config.vocab_size)
+    bad = {
+        "int64": (ids.int(), pos, tables, rows),
+        "batch": (torch.tensor([1, 2, 3]), torch.tensor([3, 4, 5]), torch.tensor([[0], [1], [2]]), rows),
+        "positions": (ids, torch.tensor([3, 16]), tables, rows),        # one block holds 0..15
+        "block ids": (ids, pos, torch.tensor([[0], [8]]), rows),        # the pool has blocks 0..7
+        "logit rows": (ids, pos, tables, torch.tensor([2])),
+    }
+    for what, args in bad.items():
+        with pytest.raises(ValueError, match=what):
+            fused(*args)

@@ -110,6 +110,7 @@ class FusedDecoder:
         # Named locals: the C call reads raw pointers, so every tensor must outlive it.
         ids, pos = input_ids.contiguous(), positions.contiguous()
         tables, rows = block_tables.contiguous(), logits_indices.contiguous()
+        self._check(ids, pos, tables, rows)
         self._ensure_scores(int(pos.max()) + 1)
         logits = torch.empty(rows.shape[0], self._model.vocab)
         self._lib.ms_decode_step(ctypes.byref(self._model), ctypes.byref(self._scratch),
@@ -117,6 +118,24 @@ class FusedDecoder:
                                  _ptr(tables, _i64p), _I64(tables.shape[1]), _ptr(rows, _i64p),
                                  _I64(rows.shape[0]), _ptr(logits))
         return logits
+
+
+    def _check(self, ids, pos, tables, rows) -> None:
+        # C trusts every index it is given; a bad one would read or write outside the buffers.
+        if any(t.dtype != torch.int64 for t in (ids, pos, tables, rows)):
+            raise ValueError("token ids, positions, block tables and logit rows must be int64")
+        batch = ids.shape[0]
+        if not 1 <= batch <= self.max_batch or pos.shape != (batch,) or tables.shape[0] != batch:
+            raise ValueError(f"batch must be in [1, {self.max_batch}] with one position and one "
+                             f"block table per token, got {batch}, {tuple(pos.shape)}, {tuple(tables.shape)}")
+        limit = min(tables.shape[1] * self._model.block_size, self._keep[2].shape[0])
+        if int(pos.min()) < 0 or int(pos.max()) >= limit:
+            raise ValueError(f"positions must be in [0, {limit}), got {pos.tolist()}")
+        blocks = self._keep[1][0][0].shape[0]
+        if int(tables.min()) < 0 or int(tables.max()) >= blocks:
+            raise ValueError(f"block ids must be in [0, {blocks})")
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= batch):
+            raise ValueError(f"logit rows must be in [0, {batch}), got {rows.tolist()}")
 
 
 def _layer_ptrs(layer, kv: tuple[torch.Tensor, torch.Tensor]) -> _LayerPtrs:
