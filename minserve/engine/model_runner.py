@@ -4,6 +4,10 @@ The runner owns the model, the KV tensors and the sampler. It flattens the sched
 into what the model consumes: token ids and positions of every new token, the slots where their
 K/V go, each sequence's cached context and block table (for attention), and which rows need
 logits (the last new token of every sequence that reaches the end of its known tokens).
+
+Two ways to run the forward pass: the PyTorch model (models/llama.py) for every step, or, on CPU
+when every sequence adds exactly one token, the fused C decode step (kernels/decode.py), which
+computes the same thing without ~35 Python-dispatched operations per layer.
 """
 
 from __future__ import annotations
