@@ -9,7 +9,8 @@ Backs the README's explanation of batch-1 decode speed with numbers from this ma
 - a decode step of 1, 4 and 16 sequences on both paths (where the batched kernel stops being
   memory-bound);
 and the load times: a fresh Python process that imports minserve and builds `LLM(model)` from the
-cache (warm), and optionally the first-use GGUF conversion into an empty cache (`--cold`).
+cache (warm), and optionally the first use into an empty cache (`--cold`): GGUF conversion and
+the fused decode kernel's compilation.
 
     .venv/bin/python benchmarks/bench_decode_breakdown.py [--cold]
 """
@@ -106,7 +107,15 @@ def main() -> None:
     if a.cold:
         with tempfile.TemporaryDirectory() as empty:
             total, engine = load_seconds(a.model, empty)
-        print(f"cold load into an empty cache (GGUF conversion): {total:.1f} s (engine {engine:.1f} s)")
+        print(f"cold load into an empty cache (GGUF conversion + kernel build): {total:.1f} s "
+              f"(engine {engine:.1f} s)")
+        with tempfile.TemporaryDirectory() as empty:
+            os.environ["MINSERVE_CACHE"] = empty
+            from minserve.kernels.build import build
+            t = time.perf_counter()
+            build("decode")
+            print(f"of which compiling the fused decode kernel: {time.perf_counter() - t:.1f} s")
+            del os.environ["MINSERVE_CACHE"]
 
 
 if __name__ == "__main__":

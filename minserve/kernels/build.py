@@ -4,7 +4,8 @@ The C sources ship inside the package (``minserve/kernels/csrc``). The first pro
 kernel compiles it with the machine's C compiler for *this* CPU (``-march=native``: AVX-512 where
 there is one) into ``$MINSERVE_CACHE/kernels``, under a name that hashes the source, the flags, the
 compiler and the CPU, so an edited source or a different machine never picks up a stale binary.
-Compiling takes about a second; later processes only load the file.
+Compiling takes about half a second here (benchmarks/bench_decode_breakdown.py --cold); later
+processes only load the file.
 
 The library links the OpenMP runtime PyTorch already loaded (``libgomp.so.1``), so our parallel
 loops and PyTorch's share one thread pool instead of fighting over the cores.
