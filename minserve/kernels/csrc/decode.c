@@ -61,8 +61,8 @@ static inline vf16 vselect(vi16 mask, vf16 a, vf16 b) {
     return (vf16)(((vi16)a & mask) | ((vi16)b & ~mask));
 }
 
-/* exp of 16 floats at once (libm's expf is one call per element, which dominated softmax and
- * SiLU). Cephes' method: exp(x) = 2^n * exp(r) with n = round(x / ln 2), |r| <= ln(2) / 2, exp(r)
+/* exp of 16 floats at once (libm's expf is one scalar call per element; softmax and SiLU need
+ * many). Cephes' method: exp(x) = 2^n * exp(r) with n = round(x / ln 2), |r| <= ln(2) / 2, exp(r)
  * from a degree-6 polynomial, ln 2 split in two parts so r is exact. Relative error < 1e-6 against
  * float64 exp (tests/test_fused_decode.py). */
 static inline vf16 vexp(vf16 x) {
