@@ -70,6 +70,11 @@ class EngineConfig:
     # C kernel (minserve/kernels/decode.py). None = when it can (CPU, float32, a C compiler);
     # True = always, failing loudly if it cannot build; False = never (the PyTorch path only).
     fused_decode: bool | None = None
+    # minserve's own: how much history a long-running engine keeps for requests_frame() and
+    # steps_frame(). Finished requests are kept as small records (counts and times, ~0.5 KiB plus
+    # 8 bytes per output token), the oldest dropped first; memory stays flat however long it serves.
+    max_request_records: int = 10_000
+    max_step_records: int = 100_000
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
@@ -90,6 +95,8 @@ class EngineConfig:
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         _check_int("seed", self.seed, 0)
+        _check_int("max_request_records", self.max_request_records, 0, 10_000_000)
+        _check_int("max_step_records", self.max_step_records, 1, 10_000_000)
         if self.fused_decode not in (None, True, False):
             raise ValueError(f"fused_decode must be None (auto), True or False, got {self.fused_decode!r}")
 

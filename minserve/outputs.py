@@ -57,7 +57,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None   # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop token id or string that ended it (None for EOS)
 
     def finished(self) -> bool:
@@ -75,3 +75,6 @@ class RequestOutput:
     prompt_logprobs: None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict = field(default_factory=dict)
+    # minserve's addition: why the request failed when its finish_reason is "error" (one bad
+    # request fails alone; the others in its step go on). vLLM raises instead.
+    error: str | None = None

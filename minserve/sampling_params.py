@@ -70,12 +70,16 @@ def _stop_strings(value: object) -> list[str]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)):
         raise ValueError(f"stop must be a str, a list of str or None, got {value!r}")
-    for s in items:
+    for i, s in enumerate(items):
         if not isinstance(s, str):
             raise ValueError(f"stop must contain only strings, got {s!r} ({type(s).__name__})")
         # An empty stop string would match at every position and end every request at once.
         if s == "":
             raise ValueError("stop must not contain empty strings, got ''")
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: no generated text can ever contain it
+            raise ValueError(f"stop[{i}] must be valid Unicode text, got {s!r}") from None
     return list(items)
 
 

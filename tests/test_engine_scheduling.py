@@ -90,8 +90,8 @@ def test_failed_step_returns_blocks(tiny_llm, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("injected failure")
     monkeypatch.setattr(eng.runner, "execute", boom)
-    with pytest.raises(RuntimeError, match="injected"):
-        eng.step()
+    [out] = eng.step()  # the failure is the request's own: it ends with "error", the engine goes on
+    assert out.finished and out.outputs[0].finish_reason == "error" and "injected" in out.error
     monkeypatch.undo()
     assert_all_blocks_free(tiny_llm)
     assert tiny_llm.generate("still works", SamplingParams(max_tokens=3), use_tqdm=False)[0].finished

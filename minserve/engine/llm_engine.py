@@ -19,20 +19,19 @@ from minserve.config import EngineConfig
 from minserve.engine.kv_cache import KVCacheManager, plan_kv_cache
 from minserve.engine.model_runner import ModelRunner
 from minserve.engine.output_processor import OutputProcessor
-from minserve.engine.request import Request, RequestStatus
+from minserve.engine.inputs import check_cache_salt, check_params, prompt_ids
+from minserve.engine.request import Request, RequestRecord, RequestStatus
 from minserve.engine.sampler import make_generator
-from minserve.engine.scheduler import Scheduler
+from minserve.engine.scheduler import Scheduler, SchedulerOutput
 from minserve.metrics import EngineMetrics, requests_frame, steps_frame
 from minserve.models.loader import LoadedModel, load_model
 from minserve.outputs import RequestOutput
 from minserve.sampling_params import SamplingParams
 
 log = logging.getLogger("minserve")
-MAX_FINISHED_KEPT = 100_000  # timelines kept for requests_frame(); bounded for long-running servers
-MAX_STEPS_KEPT = 200_000     # step records kept for steps_frame(); the oldest half goes when full
 
 
-@dataclass
+@dataclass(slots=True)
 class StepStats:
     step: int
     start_s: float                # perf_counter seconds since engine start
@@ -69,8 +68,9 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
         self.requests: dict[str, Request] = {}
-        self.finished_requests: deque[Request] = deque(maxlen=MAX_FINISHED_KEPT)  # for requests_frame
-        self.step_stats: list[StepStats] = []
+        # Bounded history for the frames: a long-running server's memory must stay flat.
+        self._records: deque[RequestRecord] = deque(maxlen=config.max_request_records)
+        self.step_stats: deque[StepStats] = deque(maxlen=config.max_step_records)
         self.num_steps = 0
         self.metrics = EngineMetrics(config.model, enabled=not config.disable_log_stats,
                                      max_model_len=self.max_model_len)
@@ -89,7 +89,17 @@ class LLMEngine:
         if want is not None and want > self.kv_spec.max_tokens:
             raise ValueError(f"max_model_len={want} does not fit the KV cache ({self.kv_spec.max_tokens} "
                              "tokens); lower max_model_len or raise kv_cache_memory / num_kv_blocks")
-        return want or min(model_max, self.kv_spec.max_tokens)
+        longest = min(model_max, self.kv_spec.max_tokens)
+        if not self.config.enable_chunked_prefill:
+            # Without chunking, a prompt (and a preempted request's recompute of prompt + output)
+            # must fit in one step, so no sequence may outgrow the step's token budget.
+            budget = self.config.max_num_batched_tokens
+            if want is not None and want > budget:
+                raise ValueError(f"max_model_len={want} is longer than max_num_batched_tokens={budget}; "
+                                 "with enable_chunked_prefill=False a sequence must fit in one step: "
+                                 "lower max_model_len, raise max_num_batched_tokens or enable chunking")
+            longest = min(longest, budget)
+        return want or longest
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -97,23 +107,18 @@ class LLMEngine:
                     arrival_time: float | None = None, cache_salt: str | None = None,
                     priority: int = 0) -> None:
         """Queue a request. ``prompt`` is a string, a list of token ids, or a dict with
-        ``prompt`` or ``prompt_token_ids`` (vLLM's TextPrompt / TokensPrompt)."""
+        ``prompt`` or ``prompt_token_ids`` (vLLM's TextPrompt / TokensPrompt). Every value that
+        could fail a step is checked here (ValueError naming it; see engine/inputs.py)."""
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
+        check_cache_salt(cache_salt)
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        vocab = self.model_config.vocab_size
-        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad_stops:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad_stops[:5]}")
-        text, ids = self._tokenize(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens; it must be shorter than max_model_len="
-                             f"{self.max_model_len} to leave room for at least one output token")
+        check_params(params, self.model_config.vocab_size, self.eos_token_ids)
+        text, ids = prompt_ids(prompt, self.tokenizer, self.model_config.vocab_size)
+        self._check_prompt_fits(len(ids))
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         # arrival_time is wall-clock (as in vLLM); the engine's clock is perf_counter.
@@ -125,26 +130,15 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add(req)
 
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("prompt dict must have 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must be a non-empty string")
-            return prompt, self.tokenizer(prompt).input_ids
-        if isinstance(prompt, (list, tuple)) and prompt and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocab = self.model_config.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt_token_ids must be in [0, {vocab}), got {bad[:5]}")
-            return None, list(prompt)
-        raise ValueError(f"prompt must be a non-empty string or a non-empty list of token ids, got {prompt!r:.80}")
+    def _check_prompt_fits(self, n: int) -> None:
+        cfg = self.config
+        if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
+            # It could never be scheduled: without chunking a prompt must fit in one step.
+            raise ValueError(f"prompt is {n} tokens; with enable_chunked_prefill=False a prompt must "
+                             f"fit in one step of max_num_batched_tokens={cfg.max_num_batched_tokens}")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt is {n} tokens; it must be shorter than max_model_len="
+                             f"{self.max_model_len} to leave room for at least one output token")
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests now; their KV blocks return to the pool immediately. Unknown ids are ignored."""
@@ -164,49 +158,97 @@ class LLMEngine:
     # ---- one iteration ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One iteration. A failure tied to one request (its data, its sampling, its output)
+        fails that request alone, with finish_reason "error" and ``RequestOutput.error`` set;
+        the others in the step carry on as if it had never been there."""
         t0 = time.perf_counter()
         preempted_before = self.scheduler.num_preemptions
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
-        try:
-            sampled = self.runner.execute(sched, self.kv)
-        except Exception:
-            # Fail the step's requests cleanly (blocks back in the pool), then surface the error.
-            failed = [s.request for s in sched.scheduled]
-            for req in failed:
-                self._retire(req, RequestStatus.FINISHED_ERROR)
-            self.metrics.record_step(self._record_step(t0, sched, 0), [], failed)
-            raise
         outputs, got_token, finished = [], [], []
+        for req, why in sched.failed:
+            self._fail(req, why, outputs, finished)
+        if sched.is_empty:
+            if finished:
+                self.metrics.record_step(self._record_step(t0, sched, 0), [], finished)
+            return outputs
+        sampled, errors = self._execute(sched)
         for s in sched.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(req)
-            tok = sampled.get(req.request_id)
-            if tok is None:
-                continue  # a prefill chunk that did not reach the end of the prompt
-            got_token.append(req)
-            status = self.output_processor.append_token(req, tok.token_id, tok.logprobs, tok.rank)
-            if status is not None:
-                self._retire(req, status)
-                finished.append(req)
-            out = self.output_processor.make_output(req)
-            if out is not None:
-                outputs.append(out)
+            why = errors.get(req.request_id)
+            if why is None:
+                try:
+                    self._advance(req, s.num_new_tokens, sampled.get(req.request_id),
+                                  outputs, got_token, finished)
+                    continue
+                except Exception as e:
+                    why = f"{type(e).__name__}: {e}"
+            self._fail(req, why, outputs, finished)
         stats = self._record_step(t0, sched, self.scheduler.num_preemptions - preempted_before)
-        self.metrics.record_step(stats, got_token, finished)
+        self.metrics.record_step(stats, [r for r in got_token if r.error is None], finished)
         return outputs
+
+    def _execute(self, sched) -> tuple[dict, dict[str, str]]:
+        """Run the step. If it raises, find out whose fault it is: rerun each request alone
+        (writing the same K/V into the same slots again is harmless, and seeded generators are
+        rewound first, so a retried request samples exactly what it would have). Returns the
+        sampled tokens and, per failed request id, the error."""
+        rngs = {s.request.request_id: s.request.generator.get_state()
+                for s in sched.scheduled if s.samples and s.request.generator is not None}
+        try:
+            return self.runner.execute(sched, self.kv), {}
+        except Exception as e:
+            if len(sched.scheduled) == 1:
+                return {}, {sched.scheduled[0].request.request_id: f"{type(e).__name__}: {e}"}
+            log.warning("step of %d requests failed (%s: %s); retrying them one by one",
+                        len(sched.scheduled), type(e).__name__, e)
+        sampled, errors = {}, {}
+        for s in sched.scheduled:
+            rid = s.request.request_id
+            if rid in rngs:
+                s.request.generator.set_state(rngs[rid])
+            try:
+                sampled.update(self.runner.execute(SchedulerOutput(scheduled=[s]), self.kv))
+            except Exception as e:
+                errors[rid] = f"{type(e).__name__}: {e}"
+        return sampled, errors
+
+    def _advance(self, req: Request, num_new_tokens: int, tok, outputs, got_token, finished) -> None:
+        """Book the step's work for one request: computed tokens, cache blocks, sampled token."""
+        req.num_computed_tokens += num_new_tokens
+        self.kv.cache_full_blocks(req)
+        if tok is None:
+            return  # a prefill chunk that did not reach the end of the prompt
+        got_token.append(req)
+        status = self.output_processor.append_token(req, tok.token_id, tok.logprobs, tok.rank)
+        if status is not None:
+            self._retire(req, status)
+            finished.append(req)
+        out = self.output_processor.make_output(req)
+        if out is not None:
+            outputs.append(out)
+
+    def _fail(self, req: Request, why: str, outputs: list, finished: list) -> None:
+        log.warning("request %s failed: %s", req.request_id, why)
+        req.error = why
+        if req.finished:  # it failed while building its last output: already retired
+            req.status = RequestStatus.FINISHED_ERROR
+            if self._records and self._records[-1].request_id == req.request_id:
+                self._records[-1] = RequestRecord.of(req)
+        else:
+            self._retire(req, RequestStatus.FINISHED_ERROR)
+        if req not in finished:
+            finished.append(req)
+        outputs[:] = [o for o in outputs if o.request_id != req.request_id]
+        outputs.append(self.output_processor.error_output(req))
 
     def _retire(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish(req, status)
         self.requests.pop(req.request_id, None)
-        self.finished_requests.append(req)
+        if self._records.maxlen:
+            self._records.append(RequestRecord.of(req))
 
     def _record_step(self, t0: float, sched, preemptions: int) -> StepStats:
         now = time.perf_counter()
-        if len(self.step_stats) >= MAX_STEPS_KEPT:  # a long-running server must not grow forever
-            del self.step_stats[:MAX_STEPS_KEPT // 2]
         self.num_steps += 1
         self.step_stats.append(StepStats(
             step=self.num_steps - 1, start_s=t0 - self.start_s, step_time_s=now - t0,
@@ -215,6 +257,11 @@ class LLMEngine:
             kv_cache_usage=self.kv.usage, num_preemptions=preemptions,
             prefix_cache_queries=sched.prefix_cache_queries, prefix_cache_hits=sched.prefix_cache_hits))
         return self.step_stats[-1]
+
+    @property
+    def finished_requests(self) -> deque[RequestRecord]:
+        """Records of the latest ``max_request_records`` finished requests, oldest first."""
+        return self._records
 
     @property
     def last_step_stats(self) -> StepStats | None:
@@ -228,7 +275,7 @@ class LLMEngine:
     def requests_frame(self):
         """One row per request (finished ones, then those still in flight): timeline in seconds
         from engine start, TTFT, TPOT, ITL, queue / prefill / decode times. See metrics.frames."""
-        return requests_frame(list(self.finished_requests) + list(self.requests.values()), self.start_s)
+        return requests_frame(list(self._records) + list(self.requests.values()), self.start_s)
 
     def steps_frame(self):
         """One row per engine step: tokens, batch composition, KV usage, prefix hits, preemptions."""

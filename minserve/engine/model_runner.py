@@ -77,8 +77,9 @@ class ModelRunner:
             params=[r.params for r in sampling],
             generators=[r.generator for r in sampling],
             banned_token_ids=[_banned_tokens(r) for r in sampling]))
-        return {r.request_id: SampledToken(out.token_ids[i],
-                                           out.logprobs[i] if out.logprobs is not None else None,
+        # Rows that asked for no logprobs get None (the sampler gives them [] when others asked).
+        return {r.request_id: SampledToken(out.token_ids[i], out.logprobs[i] or None
+                                           if out.logprobs is not None else None,
                                            out.ranks[i] if out.ranks is not None else None)
                 for i, r in enumerate(sampling)}
 

@@ -94,7 +94,19 @@ class OutputProcessor:
         completion = CompletionOutput(0, text, list(token_ids), req.cumulative_logprob if asked else None,
                                       list(logprobs) if asked else None, req.finish_reason, req.stop_reason)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                             req.finished, self.metrics(req), num_cached_tokens=req.num_cached_tokens)
+                             req.finished, self.metrics(req), num_cached_tokens=req.num_cached_tokens,
+                             error=req.error)
+
+    def error_output(self, req: Request) -> RequestOutput:
+        """The last output of a request that failed: what it produced so far, finish_reason
+        "error" and the reason; built without detokenizing again (that may be what failed)."""
+        try:
+            return self.make_output(req)
+        except Exception:
+            completion = CompletionOutput(0, "", [], None, None, req.finish_reason, None)
+            return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], True,
+                                 self.metrics(req), num_cached_tokens=req.num_cached_tokens,
+                                 error=req.error)
 
     def _logprob_dict(self, entries: list[tuple[int, float]], sampled_rank: int | None) -> dict[int, Logprob]:
         """vLLM's layout: the sampled token first, then the top-N by rank (it may repeat)."""

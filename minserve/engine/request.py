@@ -13,6 +13,7 @@ them into wall-clock seconds at the API boundary.
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -53,8 +54,23 @@ class RequestTimeline:
         return self.token_s[0] if self.token_s else None
 
 
+class _Finishable:
+    """The status-derived views shared by live requests and their records."""
+
+    __slots__ = ()  # keeps RequestRecord's slots effective
+    status: RequestStatus
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.finished else None
+
+
 @dataclass
-class Request:
+class Request(_Finishable):
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -83,6 +99,7 @@ class Request:
     extra_keys: bytes | None = None
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0
+    error: str | None = None             # why it ended with status "error"
     timeline: RequestTimeline = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -92,6 +109,10 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -111,10 +132,29 @@ class Request:
         """Still has more than one uncomputed token (prompt, or tokens to recompute)."""
         return self.num_tokens - self.num_computed_tokens > 1
 
-    @property
-    def finished(self) -> bool:
-        return self.status.finished
 
-    @property
-    def finish_reason(self) -> str | None:
-        return self.status.value if self.finished else None
+@dataclass(slots=True)
+class RequestRecord(_Finishable):
+    """What a finished request leaves behind for ``requests_frame()``: counts and times only.
+
+    A live request holds its token lists, prefix-cache keys and RNG state (~30 KiB for a few
+    hundred tokens); a server keeping thousands of those grows without end. The record keeps the
+    same attribute names the frame reads, token times as 8-byte floats.
+    """
+
+    request_id: str
+    status: RequestStatus
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    error: str | None
+    timeline: RequestTimeline
+
+    @classmethod
+    def of(cls, req: Request) -> "RequestRecord":
+        tl = req.timeline
+        times = RequestTimeline(tl.arrival_s, tl.scheduled_s, tl.preempted_s, array("d", tl.token_s),
+                                tl.finished_s)
+        return cls(req.request_id, req.status, req.num_prompt_tokens, req.num_output_tokens,
+                   req.num_cached_tokens, req.num_preemptions, req.error, times)

@@ -48,6 +48,9 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     prefix_cache_queries: int = 0   # tokens of admitted requests looked up in the prefix cache
     prefix_cache_hits: int = 0      # of those, tokens found cached (prefill work skipped)
+    # Waiting requests that could not even be looked at (e.g. their prefix-cache key raised):
+    # taken out of the queue with the reason, for the engine to fail them alone.
+    failed: list[tuple[Request, str]] = field(default_factory=list)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -130,7 +133,12 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            cached = self.kv.find_cached_prefix(req)
+            try:
+                cached = self.kv.find_cached_prefix(req)
+            except Exception as e:  # this request's own data is bad: it must not block the queue
+                self.waiting.popleft()
+                out.failed.append((req, f"{type(e).__name__}: {e}"))
+                continue
             hit = len(cached) * self.kv.block_size
             remaining = req.num_tokens - hit
             n = min(remaining, budget)

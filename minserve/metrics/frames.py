@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from minserve.engine.llm_engine import StepStats
-    from minserve.engine.request import Request
+    from minserve.engine.request import Request, RequestRecord
 
 NAN = math.nan
 
@@ -38,8 +38,8 @@ def _diff(a: float | None, b: float | None) -> float:
     return NAN if a is None or b is None else a - b
 
 
-def requests_frame(requests: Iterable[Request], t0_s: float) -> pd.DataFrame:
-    """One row per request.
+def requests_frame(requests: Iterable[Request | RequestRecord], t0_s: float) -> pd.DataFrame:
+    """One row per request (live requests, or the records finished ones leave behind).
 
     ``t0_s`` is the engine's start (``engine.start_s``, perf_counter seconds); every ``*_s`` time
     column is seconds since then, so requests line up with :func:`steps_frame`. NaN marks what is
@@ -83,8 +83,8 @@ def requests_frame(requests: Iterable[Request], t0_s: float) -> pd.DataFrame:
             "request_id": req.request_id,
             "status": req.status.value,
             "finish_reason": req.finish_reason,
-            "prompt_tokens": len(req.prompt_token_ids),
-            "output_tokens": len(req.output_token_ids),
+            "prompt_tokens": req.num_prompt_tokens,
+            "output_tokens": req.num_output_tokens,
             "cached_tokens": getattr(req, "num_cached_tokens", 0) or 0,
             "num_preemptions": req.num_preemptions,
             "arrival_s": tl.arrival_s - t0_s,

@@ -10,8 +10,10 @@ the engine thread never awaits a handler, and a handler never waits for a step t
 
 Failure policy (DESIGN: "nothing lost, clear errors"):
 - ``add_request`` raising fails that one request (ValueError -> 400, anything else -> 500).
-- ``step()`` raising: the engine has already retired the step's requests with status "error"
-  (their blocks are back in the pool); their clients get a 500-style failure, the loop goes on.
+- a request failing inside a step: the engine fails it alone (finish_reason "error",
+  ``RequestOutput.error``); its client gets a 500, the others in the step carry on.
+- ``step()`` raising (a failure no single request explains, e.g. in the scheduler): every
+  request the engine holds is aborted and its client told; the loop goes on.
 - anything else escaping the loop marks the engine dead (``/health`` turns 503) and fails every
   request still waiting for output, rather than leaving connections hanging.
 """
@@ -192,7 +194,9 @@ class AsyncEngine:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue  # aborted by its client a moment ago
-            sink.put(out)
+            # A request that failed alone (the engine contained it) ends as a 500 for its client.
+            sink.put(RequestFailed(f"the request failed in the engine: {out.error}", 500)
+                     if out.error else out)
             if out.finished:
                 del self._sinks[out.request_id]
         after = self.engine.last_step_stats

@@ -1,0 +1,28 @@
+"""A real uvicorn server on a free port, in a thread, for tests that speak HTTP."""
+
+import contextlib
+import socket
+import threading
+import time
+
+import uvicorn
+
+
+@contextlib.contextmanager
+def live_server(app, timeout_s: float = 30.0):
+    """Serve ``app`` on 127.0.0.1; yields the base URL and stops the server on exit."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # bound before uvicorn starts: no race for the port
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not srv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        srv.should_exit = True
+        thread.join(15)
+        sock.close()
