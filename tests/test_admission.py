@@ -91,15 +91,64 @@ def test_priority_classes_have_separate_budgets():
 def test_deadline_model_and_shedding():
     ac = controller(parallel_slots=4, prior_prefill_s_per_token=0.001, prior_decode_s_per_step=0.01)
     t = ticket(prompt=100, max_tokens=50)
-    # Empty queue: own prefill 100 * 1 ms + own decode 50 * 10 ms.
+    # Empty engine: own prefill 100 * 1 ms + own decode 50 * 10 ms.
     assert ac.predict_s(t) == pytest.approx(0.1 + 0.5)
     assert ac.try_admit(ticket(prompt=100, max_tokens=50)).admitted
-    # Queue ahead: its prefill (0.1 s) + its decode shared over 4 slots (0.5 / 4).
-    assert ac.predict_s(t) == pytest.approx(0.1 + 0.125 + 0.6)
-    d = ac.try_admit(ticket(prompt=100, max_tokens=50, deadline_s=0.8))
+    # One queued ahead: it takes one of 4 free seats, but its prompt (0.1 s) is computed first.
+    assert ac.predict_s(t) == pytest.approx(0.1 + 0.6)
+    d = ac.try_admit(ticket(prompt=100, max_tokens=50, deadline_s=0.65))
     assert (d.admitted, d.reason, d.status) == (False, "deadline", 429)
-    assert d.predicted_s == pytest.approx(0.825) and d.retry_after_s >= 1
-    assert ac.try_admit(ticket(prompt=100, max_tokens=50, deadline_s=0.9)).admitted
+    assert d.predicted_s == pytest.approx(0.7) and d.retry_after_s >= 1
+    assert ac.try_admit(ticket(prompt=100, max_tokens=50, deadline_s=0.75)).admitted
+
+
+def test_deadline_counts_running_work_and_the_wait_for_a_seat():
+    """Issue 8.6: with every seat busy, a small request waits for the earliest running one to end
+    (the old model saw only the queue and admitted it; it was answered after 77 s)."""
+    ac = controller(parallel_slots=2, prior_prefill_s_per_token=0.001, prior_decode_s_per_step=0.01)
+    small = ticket(prompt=10, max_tokens=5, deadline_s=0.5)
+    assert ac.predict_s(small) == pytest.approx(0.01 + 0.05)
+    ac.observe_running([(0, 100), (50, 200)])      # seats free at 1.0 s and 0.05 + 2.0 s
+    assert ac.predict_s(small) == pytest.approx(max(1.0, 0.05) + 0.06)
+    d = ac.try_admit(small)
+    assert (d.admitted, d.reason, d.status) == (False, "deadline", 429)
+    assert "2 running" in d.message and d.retry_after_s == 1       # ceil(1.0 s until a seat frees)
+    # A queued request ahead takes the first free seat (1.0 s) and holds it for 0.01 + 0.5 s.
+    assert ac.try_admit(ticket(prompt=10, max_tokens=50)).admitted
+    assert ac.predict_s(small) == pytest.approx(1.51 + 0.06)
+    ac.observe_running([(0, 100)])                 # one seat free: the queued one takes it now,
+    assert ac.predict_s(small) == pytest.approx(0.51 + 0.06)   # and frees it first (0.51 < 1.0 s)
+    ac.observe_running([])
+    assert ac.predict_s(small) == pytest.approx(0.01 + 0.06)   # two free seats: its prompt first
+    assert ac.try_admit(ticket(prompt=10, max_tokens=5, deadline_s=0.5)).admitted
+
+
+def test_deadline_preempted_work_queues_before_the_waiting_room():
+    ac = controller(parallel_slots=1, prior_prefill_s_per_token=0.001, prior_decode_s_per_step=0.01)
+    # One seat, held for 1.0 s; a preempted request (300 tokens to recompute, 10 to generate) next.
+    ac.observe_running([(0, 100), (300, 10)])
+    assert ac.predict_s(ticket(prompt=10, max_tokens=5)) == pytest.approx(1.0 + 0.3 + 0.1 + 0.06)
+
+
+def test_deadline_counts_time_spent_before_admission():
+    ac = controller(prior_prefill_s_per_token=0.001, prior_decode_s_per_step=0.01)
+    t = ticket(prompt=10, max_tokens=5, deadline_s=0.1)         # predicted 0.06 s: fits alone
+    t.waited_s = 0.05                                            # but tokenizing took 50 ms
+    d = ac.try_admit(t)
+    assert (d.admitted, d.reason) == (False, "deadline") and "50 ms spent" in d.message
+
+
+def test_expired_deadlines_are_counted():
+    reg = CollectorRegistry()
+    ac = controller(reg)
+    t = ticket(cls=BATCH, deadline_s=1.0)
+    assert ac.try_admit(t).admitted
+    ac.record_expired(t)
+    ac.release(t)
+    get = reg.get_sample_value
+    assert get("minserve:admission_deadline_expired_total", {"priority_class": "batch"}) == 1
+    assert get("minserve:admission_deadline_expired_total", {"priority_class": "interactive"}) == 0
+    assert ac.queued(BATCH) == (0, 0)
 
 
 def test_observed_steps_move_the_rates():
@@ -152,6 +201,8 @@ def test_classify_tenant_class_and_deadline():
 @pytest.mark.parametrize("headers, deadline_ms, field", [
     ({"x-priority-class": "urgent"}, None, "x-priority-class"),
     ({"x-deadline-ms": "soon"}, None, "x-deadline-ms"),
+    ({"x-deadline-ms": "nan"}, None, "x-deadline-ms"),      # issue 8.6: was reported as deadline_ms
+    ({"x-deadline-ms": "-5"}, 100, "x-deadline-ms"),
     ({}, 0, "deadline_ms"),
     ({}, float("nan"), "deadline_ms"),
 ])

@@ -168,7 +168,7 @@ def test_bad_input_is_a_clear_4xx(server, path, body, status, param):
 def test_malformed_json_is_400(server):
     r = httpx.post(server.base + "/v1/completions", content=b"{not json",
                    headers={"content-type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body.1"  # where parsing stopped
 
 
 def test_openai_client_sees_typed_errors(server):

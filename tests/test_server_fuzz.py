@@ -122,6 +122,28 @@ def test_raw_bytes_never_5xx(client, path, raw, content_type):
     assert r.status_code >= 400  # nothing here is a valid request
 
 
+# Text with lone surrogates (JSON "\ud800"): Python strings hold them, UTF-8 cannot (issue 8.2).
+surrogate_text = st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
+                         | st.characters(max_codepoint=0x7F), min_size=1, max_size=6).filter(
+    lambda t: any(0xD800 <= ord(c) <= 0xDFFF for c in t))
+STRING_FIELDS = {
+    "prompt": lambda t: t, "stop": lambda t: ["ok", t], "cache_salt": lambda t: t,
+    "user": lambda t: t, "model": lambda t: t,
+    "messages": lambda t: [{"role": "user", "content": [{"type": "text", "text": t}]}],
+}
+
+
+@settings(SETTINGS, max_examples=60)
+@given(path=paths, data=st.data(), field=st.sampled_from(sorted(STRING_FIELDS)), text=surrogate_text)
+def test_lone_surrogates_are_400_naming_the_field(client, path, data, field, text):
+    body = data.draw(near_valid_bodies(path))
+    body[field] = STRING_FIELDS[field](text)
+    r = client.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    check(r)
+    if r.status_code == 400 and "surrogate" in r.json()["error"]["message"]:
+        assert r.json()["error"]["param"].split(".")[0] == field
+
+
 def test_server_still_serves_after_fuzzing(client):
     r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

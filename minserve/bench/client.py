@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 from dataclasses import dataclass
 
@@ -158,10 +159,17 @@ async def send_request(client: httpx.AsyncClient, target: Target, req: SampleReq
     return rec
 
 
+def auth_headers() -> dict[str, str]:
+    """``Authorization: Bearer $OPENAI_API_KEY`` when set, as `vllm bench serve` sends it, so the
+    same command works against a server started with --api-key (for /metrics too)."""
+    key = os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 async def fetch_model_id(base_url: str) -> str:
     """The first model the server lists at ``/v1/models`` (vLLM's default when --model is unset)."""
     try:
-        async with httpx.AsyncClient(timeout=30) as client:
+        async with httpx.AsyncClient(timeout=30, headers=auth_headers()) as client:
             resp = await client.get(f"{base_url}/v1/models")
             resp.raise_for_status()
             models = resp.json().get("data") or []
@@ -201,8 +209,9 @@ async def run_http(target: Target, requests: list[SampleRequest], opts: BenchOpt
     """One benchmark run at ``opts.request_rate``; returns vLLM's summary plus our frames."""
     from tqdm import tqdm
     limits = httpx.Limits(max_connections=opts.max_concurrency, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=TIMEOUT_S, limits=limits) as client, \
-            httpx.AsyncClient(timeout=max(metrics_interval_s, 5.0)) as metrics_client:
+    headers = auth_headers()
+    async with httpx.AsyncClient(timeout=TIMEOUT_S, limits=limits, headers=headers) as client, \
+            httpx.AsyncClient(timeout=max(metrics_interval_s, 5.0), headers=headers) as metrics_client:
         t0 = time.perf_counter()
         poller = MetricsPoller(metrics_client, f"{target.base_url}/metrics", metrics_interval_s, t0)
         poller.start()

@@ -8,8 +8,9 @@ once with an explicit answer (429 + ``Retry-After``, or 503 while the server dra
 
 Classification (:func:`classify`):
 
-- tenant: the API key (``Authorization: Bearer ...``, stored only as a short hash so keys never
-  reach logs), else the body's ``user`` field, else ``"anonymous"``;
+- tenant: with API keys configured, the authenticated key's tenant (auth.py); otherwise the API
+  key (``Authorization: Bearer ...``, stored only as a short hash so keys never reach logs), else
+  the body's ``user`` field, else ``"anonymous"``. The tenant also salts the prefix cache;
 - priority class: the ``x-priority-class`` header (``interactive`` | ``batch``) if given, else the
   body's ``priority`` field: ``<= 0`` is interactive, ``> 0`` is batch. This follows vLLM, where a
   lower ``priority`` value is served earlier and the default is 0;
@@ -24,21 +25,18 @@ the cache at its longest). "Queued" means admitted but not yet scheduled by the 
 engine runs a request, it is bounded by the engine's own limits (max_num_seqs, KV blocks).
 A per-tenant quota bounds in-flight requests (queued or running) of one tenant across classes.
 
-Deadline model (:meth:`AdmissionController.predict_s`), deliberately simple and stated here so the
-shedding is explainable:
+Deadline model (deadlines.py, stated there): a request with a deadline is shed when its predicted
+completion misses it. The prediction counts the work of the requests the engine is running (which
+the engine thread reports after every step, :meth:`AdmissionController.observe_running`), the
+wait for a free seat when all ``max_num_seqs`` are busy, and the admitted requests queued ahead
+(every class: the engine is first come, first served). Its two rates, prefill seconds per token
+and seconds per decode step, are exponentially weighted moving averages of recent engine steps
+(:meth:`AdmissionController.observe_step`), starting from configured priors.
 
-    predicted = queued_prompt_tokens * prefill_s_per_token            (queue ahead: prefill)
-              + queued_max_tokens * decode_s_per_step / parallel_slots (queue ahead: decode)
-              + own prompt_tokens * prefill_s_per_token                (own prefill)
-              + own max_tokens * decode_s_per_step                     (own decode)
-
-Prefill cost scales with tokens per step, so it is charged per token; a decode step advances up to
-``parallel_slots`` (max_num_seqs) requests by one token each, so queued decode work is shared over
-the slots while the request's own tokens come one per step. Both rates are exponentially weighted
-moving averages of recent engine steps (:meth:`AdmissionController.observe_step`), starting from
-configured priors. The queue ahead counts every class (the engine itself is first come, first
-served) and ignores the remaining work of requests already running, so the estimate leans
-optimistic: a request is shed only when even this estimate misses its deadline.
+After admission the deadline still holds: a request still queued when it passes is aborted before
+it runs (async_engine.py enforces it on the engine thread), its client gets 504
+``deadline_exceeded``, and :meth:`AdmissionController.record_expired` counts it. A request already
+running is left to finish: its seat and its prefill are paid for.
 
 The controller is pure logic (no HTTP, no engine), guarded by one lock because the HTTP loop
 admits and releases while the engine thread reports started requests and step times.
@@ -51,6 +49,8 @@ import math
 import threading
 from dataclasses import dataclass, field
 from typing import Mapping
+
+from minserve.server import deadlines
 
 INTERACTIVE, BATCH = "interactive", "batch"
 PRIORITY_CLASSES = (INTERACTIVE, BATCH)
@@ -109,6 +109,7 @@ class Ticket:
     max_tokens: int
     deadline_s: float | None = None
     state: str = "new"
+    waited_s: float = 0.0                # spent before admission (tokenizing): part of the deadline
 
     @property
     def tokens(self) -> int:
@@ -155,9 +156,14 @@ def tenant_of(authorization: str | None, user: str | None) -> str:
 
 
 def classify(headers: Mapping[str, str], *, user: str | None, priority: int,
-             deadline_ms: float | None, prompt_tokens: int, max_tokens: int) -> Ticket:
+             deadline_ms: float | None, prompt_tokens: int, max_tokens: int,
+             tenant: str | None = None, max_class: str | None = None) -> Ticket:
     """Build the ticket of one request; ValueError (naming the header or field) on bad input.
-    ``headers`` must answer lower-case names (Starlette's Headers does)."""
+    ``headers`` must answer lower-case names (Starlette's Headers does). ``tenant`` and
+    ``max_class`` come from an authenticated API key (auth.py): the tenant then ignores the
+    ``user`` field, and the class asked for is capped at ``max_class`` (a batch key asking for
+    interactive is served as batch rather than refused, since priority 0, the default, asks for
+    interactive)."""
     header_class = headers.get("x-priority-class")
     if header_class is not None:
         priority_class = header_class.strip().lower()
@@ -166,16 +172,21 @@ def classify(headers: Mapping[str, str], *, user: str | None, priority: int,
                              f"got {header_class!r}")
     else:
         priority_class = INTERACTIVE if priority <= 0 else BATCH
+    rank = PRIORITY_CLASSES.index  # most urgent first
+    if max_class is not None and rank(priority_class) < rank(max_class):
+        priority_class = max_class
     header_deadline = headers.get("x-deadline-ms")
+    source = "deadline_ms"  # errors name where the bad value came from
     if header_deadline is not None:
+        source = "header x-deadline-ms"
         try:
             deadline_ms = float(header_deadline)
         except ValueError:
-            raise ValueError(f"header x-deadline-ms must be a number of milliseconds > 0, "
-                             f"got {header_deadline!r}") from None
+            deadline_ms = math.nan
     if deadline_ms is not None and not (math.isfinite(deadline_ms) and deadline_ms > 0):
-        raise ValueError(f"deadline_ms must be a finite number of milliseconds > 0, got {deadline_ms!r}")
-    return Ticket(tenant_of(headers.get("authorization"), user), priority_class, prompt_tokens,
+        got = header_deadline if header_deadline is not None else deadline_ms
+        raise ValueError(f"{source} must be a finite number of milliseconds > 0, got {got!r}")
+    return Ticket(tenant or tenant_of(headers.get("authorization"), user), priority_class, prompt_tokens,
                   max_tokens, None if deadline_ms is None else deadline_ms / 1000.0)
 
 
@@ -184,6 +195,8 @@ class AdmissionController:
         self.config = config or AdmissionConfig()
         self._lock = threading.Lock()
         self._queues = {c: _Queue() for c in PRIORITY_CLASSES}
+        self._waiting: dict[int, Ticket] = {}        # queued tickets by id(), in admission order
+        self._running: list[deadlines.Work] = []     # the engine's last report (observe_running)
         self._inflight: dict[str, int] = {}
         self.prefill_s_per_token = self.config.prior_prefill_s_per_token
         self.decode_s_per_step = self.config.prior_decode_s_per_step
@@ -200,6 +213,7 @@ class AdmissionController:
             if decision.admitted:
                 t.state = "queued"
                 self._queues[t.priority_class].add(t, +1)
+                self._waiting[id(t)] = t
                 self._inflight[t.tenant] = self._inflight.get(t.tenant, 0) + 1
             self._record(t, decision)
             return decision
@@ -227,9 +241,11 @@ class AdmissionController:
                                 f"{unit}; adding {need} would pass its limit of {limit}",
                                 self._retry_after())
         predicted = self._predict_locked(t)
-        if t.deadline_s is not None and predicted > t.deadline_s:
-            return Decision(False, "deadline", 429, f"predicted completion in {predicted * 1000:.0f} ms "
-                            f"misses the deadline of {t.deadline_s * 1000:.0f} ms",
+        if t.deadline_s is not None and t.waited_s + predicted > t.deadline_s:
+            spent = f" after {t.waited_s * 1000:.0f} ms spent preparing it" if t.waited_s >= 0.001 else ""
+            return Decision(False, "deadline", 429, f"predicted completion in {predicted * 1000:.0f} ms"
+                            f"{spent} misses the deadline of {t.deadline_s * 1000:.0f} ms (work ahead: "
+                            f"{len(self._running)} running, {len(self._waiting)} queued)",
                             self._retry_after(), predicted)
         return Decision(True, predicted_s=predicted)
 
@@ -246,15 +262,14 @@ class AdmissionController:
                     f"{t.priority_class} class")
         return ""
 
-    def _queue_ahead_s(self) -> float:
-        prompt = sum(q.prompt_tokens for q in self._queues.values())
-        decode = sum(q.max_tokens for q in self._queues.values())
-        return (prompt * self.prefill_s_per_token
-                + decode * self.decode_s_per_step / self.config.parallel_slots)
+    def _start_s(self) -> float:
+        queued = ((q.prompt_tokens, q.max_tokens) for q in self._waiting.values())
+        return deadlines.start_s(self._running, queued, self.config.parallel_slots,
+                                 self.prefill_s_per_token, self.decode_s_per_step)
 
     def _predict_locked(self, t: Ticket) -> float:
-        return (self._queue_ahead_s() + t.prompt_tokens * self.prefill_s_per_token
-                + t.max_tokens * self.decode_s_per_step)
+        return deadlines.finish_s(self._start_s(), t.prompt_tokens, t.max_tokens,
+                                  self.prefill_s_per_token, self.decode_s_per_step)
 
     def predict_s(self, t: Ticket) -> float:
         """Predicted seconds from now until ``t`` would finish if admitted now (module docstring)."""
@@ -262,8 +277,8 @@ class AdmissionController:
             return self._predict_locked(t)
 
     def _retry_after(self) -> int:
-        """Whole seconds until the current waiting room has drained, by the same model."""
-        return max(1, min(self.config.max_retry_after_s, math.ceil(self._queue_ahead_s())))
+        """Whole seconds until a new request could start, by the same model."""
+        return max(1, min(self.config.max_retry_after_s, math.ceil(self._start_s())))
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -273,6 +288,7 @@ class AdmissionController:
             if t.state == "queued":
                 t.state = "running"
                 self._queues[t.priority_class].add(t, -1)
+                self._waiting.pop(id(t), None)
                 self._update_gauges(t.priority_class)
 
     def release(self, t: Ticket) -> None:
@@ -282,6 +298,7 @@ class AdmissionController:
                 return
             if t.state == "queued":
                 self._queues[t.priority_class].add(t, -1)
+                self._waiting.pop(id(t), None)
             t.state = "released"
             left = self._inflight.get(t.tenant, 0) - 1
             if left > 0:
@@ -300,6 +317,17 @@ class AdmissionController:
             if num_decode_tokens > 0:
                 # A decoding request gets one token per step, whatever else shares the step.
                 self.decode_s_per_step += a * (step_time_s - self.decode_s_per_step)
+
+    def observe_running(self, work: list[deadlines.Work]) -> None:
+        """The engine's running work after a step (engine thread): per request, prompt tokens left
+        to compute and output tokens left at most; seat holders first (deadlines.py)."""
+        with self._lock:
+            self._running = list(work)
+
+    def record_expired(self, t: Ticket) -> None:
+        """A queued request's deadline passed before the engine started it; it was aborted."""
+        if self._metrics is not None:
+            self._metrics.deadline_expired[t.priority_class].inc()
 
     def begin_drain(self) -> None:
         """From now on every new request gets 503; requests already admitted run to the end."""
@@ -349,7 +377,11 @@ class _AdmissionMetrics:
         tok = Gauge("minserve:admission_queued_tokens",
                     "Prompt + max_tokens of admitted requests not yet scheduled.",
                     ["priority_class"], registry=registry)
+        expired = Counter("minserve:admission_deadline_expired",
+                          "Admitted requests aborted because their deadline passed while queued.",
+                          ["priority_class"], registry=registry)
         # Children created up front so every series is exported (at 0) before the first event.
+        self.deadline_expired = {c: expired.labels(c) for c in PRIORITY_CLASSES}
         self.admitted = {c: admitted.labels(c) for c in PRIORITY_CLASSES}
         self.queued_requests = {c: req.labels(c) for c in PRIORITY_CLASSES}
         self.queued_tokens = {c: tok.labels(c) for c in PRIORITY_CLASSES}

@@ -1,11 +1,13 @@
 """The OpenAI-compatible HTTP app: routes, error mapping, and the life of one request.
 
-One request, end to end: the body is validated (protocol.py) and turned into token ids and
-SamplingParams (serving.py); admission classifies it and admits or sheds it (admission.py); the
-engine thread runs it (async_engine.py) and its outputs come back on an asyncio queue; the reply is
-one JSON body or a stream of SSE chunks ending with ``data: [DONE]``. Whatever way the request
-ends (finished, failed, client gone, server stopping), ``_Flight.close`` aborts it in the engine
-if it is still there and gives its admission slot back, exactly once.
+One request, end to end: the body's size is bounded (limits.py), it is validated (protocol.py)
+and turned into token ids and SamplingParams (serving.py, off the event loop: tokenizing a long
+prompt takes long enough to stall every other connection); admission classifies it and admits
+or sheds it (admission.py); the engine thread runs it (async_engine.py) and its outputs come back
+on an asyncio queue; the reply is one JSON body or a stream of SSE chunks ending with
+``data: [DONE]``. Whatever way the request ends (finished, failed, deadline passed, client gone,
+server stopping), ``_Flight.close`` aborts it in the engine if it is still there and gives its
+admission slot back, exactly once.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import asyncio
 import dataclasses
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,12 +30,15 @@ from starlette.requests import ClientDisconnect
 from minserve.sampling_params import RequestOutputKind
 from minserve.server.admission import AdmissionConfig, AdmissionController, Ticket, classify
 from minserve.server.async_engine import AsyncEngine, RequestFailed
+from minserve.server.auth import PRINCIPAL_SCOPE_KEY, Auth, AuthMiddleware, effective_salt
+from minserve.server.limits import BodyLimitMiddleware, RequestLimits
 from minserve.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                       error_body, error_response, validation_error_to_api)
 from minserve.server.serving import Prepared, StreamFormatter, full_response, prepare, sse
 
 log = logging.getLogger("minserve.server")
 POLL_S = 0.5  # how often a waiting handler checks for a vanished client or a dead engine
+PREPARE_THREADS = 2  # tokenizer threads: enough to overlap requests, few enough to spare the engine
 
 
 @dataclass
@@ -42,6 +48,9 @@ class ServerState:
     admission: AdmissionController
     model_name: str
     created: int
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    prepare_pool: ThreadPoolExecutor | None = None  # lives with the app's lifespan
+    open_flights: int = 0                           # admitted requests not yet closed (drain waits)
 
 
 class ClientGone(Exception):
@@ -55,11 +64,13 @@ class _Flight:
         self.st, self.request_id, self.ticket = st, request_id, ticket
         self.finished = False
         self.closed = False
+        st.open_flights += 1
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        self.st.open_flights -= 1
         if not self.finished:
             self.st.async_engine.abort(self.request_id)
         self.st.admission.release(self.ticket)
@@ -109,7 +120,7 @@ async def _stream(q: asyncio.Queue, p: Prepared, st: ServerState, flight: _Fligh
             if isinstance(item, RequestFailed):
                 flight.finished = True  # the engine already let go of it
                 # vLLM's convention: an error event, then the end marker so clients stop reading.
-                yield fmt.error(item.status, item.message)
+                yield fmt.error(item.status, item.message, item.code)
                 yield sse("[DONE]")
                 return
             for chunk in fmt.delta(item):
@@ -125,25 +136,43 @@ async def _stream(q: asyncio.Queue, p: Prepared, st: ServerState, flight: _Fligh
         yield sse("[DONE]")
 
 
+async def _prepare(st: ServerState, body, kind: str) -> Prepared:
+    # Tokenizing runs at ~1.3 s per MB and chat templates are Python: on the event loop they would
+    # freeze /health and every stream for that long. The tokenizer releases the GIL while it works.
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(st.prepare_pool, prepare, body, kind, st.engine,
+                                      st.model_name, st.limits)
+
+
 async def _serve(request: Request, body, kind: str):
     st: ServerState = request.app.state.minserve
-    p = prepare(body, kind, st.engine, st.model_name)
+    arrived = time.monotonic()  # deadlines count from here
+    p = await _prepare(st, body, kind)
+    principal = request.scope.get(PRINCIPAL_SCOPE_KEY)  # set by AuthMiddleware when keys are configured
     try:
         ticket = classify(request.headers, user=body.user, priority=body.priority,
                           deadline_ms=body.deadline_ms, prompt_tokens=len(p.prompt_ids),
-                          max_tokens=p.params.max_tokens)
+                          max_tokens=p.params.max_tokens,
+                          tenant=principal.tenant if principal else None,
+                          max_class=principal.max_class if principal else None)
     except ValueError as e:  # "header x-deadline-ms must ..." or "deadline_ms must ..."
         words = str(e).split()
         raise ApiError(400, str(e), words[1] if words[0] == "header" else words[0]) from None
+    ticket.waited_s = time.monotonic() - arrived
     decision = st.admission.try_admit(ticket)
     if not decision.admitted:
         headers = None if decision.retry_after_s is None else {"Retry-After": str(decision.retry_after_s)}
         raise ApiError(decision.status, decision.message, None, decision.reason, headers)
     flight = _Flight(st, p.request_id, ticket)
+    deadline_at = None if ticket.deadline_s is None else arrived + ticket.deadline_s
     try:
-        q = st.async_engine.submit(p.request_id, p.prompt_ids, p.params, cache_salt=body.cache_salt,
+        # The tenant is always part of the cache key: no cross-tenant prefix hits, salt or not.
+        salt = effective_salt(ticket.tenant, body.cache_salt)
+        q = st.async_engine.submit(p.request_id, p.prompt_ids, p.params, cache_salt=salt,
                                    priority=body.priority,
-                                   on_started=lambda: st.admission.mark_started(ticket))
+                                   on_started=lambda: st.admission.mark_started(ticket),
+                                   deadline_at=deadline_at,
+                                   on_expired=lambda: st.admission.record_expired(ticket))
     except BaseException:
         flight.close()
         raise
@@ -153,7 +182,7 @@ async def _serve(request: Request, body, kind: str):
         item = await next_item(q, st, request)
         flight.finished = True
         if isinstance(item, RequestFailed):
-            raise ApiError(item.status, item.message)
+            raise ApiError(item.status, item.message, code=item.code)
         return JSONResponse(full_response(p, item))
     except ClientGone:
         return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
@@ -212,7 +241,9 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException):
-        return error_response(ApiError(exc.status_code, str(exc.detail), headers=exc.headers))
+        # FastAPI's answer to a body json.loads could not take (e.g. nested too deep) names nothing.
+        param = "body" if exc.status_code == 400 and "parsing the body" in str(exc.detail) else None
+        return error_response(ApiError(exc.status_code, str(exc.detail), param, headers=exc.headers))
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception):
@@ -222,10 +253,13 @@ def _error_handlers(app: FastAPI) -> None:
 
 
 def create_app(engine, *, served_model_name: str | None = None,
-               admission: AdmissionConfig | AdmissionController | None = None) -> FastAPI:
+               admission: AdmissionConfig | AdmissionController | None = None,
+               auth: Auth | None = None, limits: RequestLimits | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (an LLMEngine). The engine thread starts and stops with
     the app's lifespan; ``app.state.minserve`` holds the pieces (tests and the CLI use it).
-    One app per engine: the admission counters are registered in the engine's registry."""
+    One app per engine: the admission counters are registered in the engine's registry.
+    ``auth``: API keys, their tenants and the /metrics policy (auth.py); None serves without keys.
+    ``limits``: body size, prompt characters and stop strings (limits.py; None: the defaults)."""
     if not isinstance(admission, AdmissionController):
         # The budgets and the deadline model need the engine's shape, which only it knows.
         cfg = dataclasses.replace(admission or AdmissionConfig(),
@@ -233,11 +267,13 @@ def create_app(engine, *, served_model_name: str | None = None,
                                   kv_bytes_per_token=engine.kv_spec.bytes_per_token)
         admission = AdmissionController(cfg, engine.metrics.registry)
     on_step = (lambda s: admission.observe_step(s.step_time_s, s.num_prefill_tokens, s.num_decode_tokens))
-    st = ServerState(engine, AsyncEngine(engine, on_step), admission,
-                     served_model_name or engine.config.model, int(time.time()))
+    st = ServerState(engine, AsyncEngine(engine, on_step, on_running=admission.observe_running),
+                     admission, served_model_name or engine.config.model, int(time.time()),
+                     limits or RequestLimits())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        st.prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="minserve-prepare")
         st.async_engine.start()
         try:
             yield
@@ -245,9 +281,13 @@ def create_app(engine, *, served_model_name: str | None = None,
             st.admission.begin_drain()
             # The join blocks; keep it off the event loop.
             await asyncio.to_thread(st.async_engine.stop)
+            st.prepare_pool.shutdown(wait=False)
 
     app = FastAPI(title="minserve", lifespan=lifespan)
     app.state.minserve = st
     _routes(app)
     _error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=st.limits.max_body_bytes)
+    if auth is not None:  # added last, so it runs first: no body is read for a refused key
+        app.add_middleware(AuthMiddleware, auth=auth)
     return app

@@ -14,6 +14,10 @@ Failure policy (DESIGN: "nothing lost, clear errors"):
   ``RequestOutput.error``); its client gets a 500, the others in the step carry on.
 - ``step()`` raising (a failure no single request explains, e.g. in the scheduler): every
   request the engine holds is aborted and its client told; the loop goes on.
+- a request still queued (never scheduled) when its deadline passes is aborted before it runs and
+  its client gets 504 ``deadline_exceeded`` (admission.py predicted it in time; it was not).
+- :meth:`AsyncEngine.fail_all` (the drain timeout ran out, cli.py) aborts everything in flight and
+  tells each client why, so streams end with an error event and ``[DONE]``, not a cut.
 - anything else escaping the loop marks the engine dead (``/health`` turns 503) and fails every
   request still waiting for output, rather than leaving connections hanging.
 """
@@ -21,12 +25,15 @@ Failure policy (DESIGN: "nothing lost, clear errors"):
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
+from minserve.engine.request import RequestStatus
 from minserve.outputs import RequestOutput
 
 log = logging.getLogger("minserve.server")
@@ -35,9 +42,9 @@ log = logging.getLogger("minserve.server")
 class RequestFailed(Exception):
     """Delivered in place of an output: the request ended without a normal finish."""
 
-    def __init__(self, message: str, status: int = 500):
+    def __init__(self, message: str, status: int = 500, code: str | None = None):
         super().__init__(message)
-        self.message, self.status = message, status
+        self.message, self.status, self.code = message, status, code
 
 
 def _guarded(fn: Callable, *args) -> None:
@@ -53,6 +60,8 @@ class _Sink:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     on_started: Callable[[], None] | None
+    deadline_at: float | None = None                  # time.monotonic(); enforced while queued
+    on_expired: Callable[[], None] | None = None
     started: bool = False
 
     def put(self, item) -> None:
@@ -83,13 +92,23 @@ class _Abort:
     request_id: str
 
 
-class AsyncEngine:
-    """Runs ``engine`` on a background thread. ``on_step(stats)`` is called on that thread after
-    each step that computed something (admission uses it to measure step times)."""
+@dataclass
+class _FailAll:
+    failure: RequestFailed
 
-    def __init__(self, engine, on_step: Callable | None = None):
+
+class AsyncEngine:
+    """Runs ``engine`` on a background thread. Observers, called on that thread: ``on_step(stats)``
+    after each step that computed something (admission measures step times), ``on_running(work)``
+    after each step and when the engine goes idle, with (prompt tokens left to compute, output
+    tokens left at most) per running request, seat holders first (admission's deadline model)."""
+
+    def __init__(self, engine, on_step: Callable | None = None, on_running: Callable | None = None):
         self.engine = engine
         self.on_step = on_step
+        self.on_running = on_running
+        self._deadlines: dict[str, float] = {}  # engine thread only: queued requests' deadlines
+        self._idle_published = False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -108,11 +127,14 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     def submit(self, request_id: str, prompt, params, *, cache_salt: str | None = None,
-               priority: int = 0, on_started: Callable[[], None] | None = None) -> asyncio.Queue:
+               priority: int = 0, on_started: Callable[[], None] | None = None,
+               deadline_at: float | None = None,
+               on_expired: Callable[[], None] | None = None) -> asyncio.Queue:
         """Queue a request; returns the queue its outputs (RequestOutput or RequestFailed) arrive
         on. Must be called on the event loop that will read the queue. ``on_started`` runs on the
-        engine thread when the scheduler first runs the request."""
-        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), on_started)
+        engine thread when the scheduler first runs the request; if that has not happened by
+        ``deadline_at`` (``time.monotonic()``), the request is aborted and ``on_expired`` runs."""
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), on_started, deadline_at, on_expired)
         if not self.alive:
             reason = self.error or "stopped"
             sink.queue.put_nowait(RequestFailed(f"the engine is not running ({reason})", 503))
@@ -124,6 +146,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Ask for the request to be aborted before the next step (its blocks are freed then)."""
         self._inbox.put(_Abort(request_id))
+        self._wake.set()
+
+    def fail_all(self, failure: RequestFailed) -> None:
+        """Abort every request in flight and deliver ``failure`` to each (before the next step)."""
+        self._inbox.put(_FailAll(failure))
         self._wake.set()
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -142,10 +169,13 @@ class AsyncEngine:
                 # so the wait below cannot sleep through it.
                 self._wake.clear()
                 self._drain_inbox()
+                self._expire_queued()
                 if not self.engine.has_unfinished_requests():
+                    self._publish_idle()
                     self._wake.wait()
                     continue
                 self._step()
+                self._publish_work()
         except BaseException as e:  # a bug in the loop itself: fail loudly, never hang clients
             log.exception("engine loop died")
             self.error = f"{type(e).__name__}: {e}"
@@ -165,6 +195,8 @@ class AsyncEngine:
                 cmd.sink.put(refuse)
             elif isinstance(cmd, _Add):
                 self._add(cmd)
+            elif isinstance(cmd, _FailAll):
+                self._fail_all(cmd.failure)
             else:
                 self.engine.abort_request(cmd.request_id)
                 self._sinks.pop(cmd.request_id, None)
@@ -180,6 +212,8 @@ class AsyncEngine:
             cmd.sink.put(RequestFailed(f"could not queue the request: {type(e).__name__}: {e}"))
         else:
             self._sinks[cmd.request_id] = cmd.sink
+            if cmd.sink.deadline_at is not None:
+                self._deadlines[cmd.request_id] = cmd.sink.deadline_at
 
     def _step(self) -> None:
         before = self.engine.last_step_stats  # identity, not len(): the list may become bounded
@@ -206,14 +240,49 @@ class AsyncEngine:
     def _mark_started(self, outputs: list[RequestOutput]) -> None:
         # Running requests (some are mid-prefill and have no output yet) plus those that finished
         # within their very first step.
-        for req in self.engine.scheduler.running:
-            sink = self._sinks.get(req.request_id)
+        rids = [r.request_id for r in self.engine.scheduler.running] + [o.request_id for o in outputs]
+        for rid in rids:
+            sink = self._sinks.get(rid)
             if sink is not None:
                 sink.mark_started()
-        for out in outputs:
-            sink = self._sinks.get(out.request_id)
-            if sink is not None:
-                sink.mark_started()
+                self._deadlines.pop(rid, None)  # a started request runs to the end
+
+    def _expire_queued(self) -> None:
+        """Abort the requests whose deadline passed before the scheduler ever ran them: their
+        answers would come too late to matter, and their seats are better spent on others."""
+        if not self._deadlines:
+            return
+        now = time.monotonic()
+        for rid in [rid for rid, at in self._deadlines.items() if at <= now]:
+            del self._deadlines[rid]
+            sink = self._sinks.get(rid)
+            if sink is None or sink.started:
+                continue  # already ended (finished, aborted by its client)
+            del self._sinks[rid]
+            self.engine.abort_request(rid)
+            sink.put(RequestFailed("deadline exceeded: the request was still waiting for a seat in "
+                                   "the engine when its deadline (x-deadline-ms / deadline_ms) passed, "
+                                   "so it was aborted before it ran", 504, "deadline_exceeded"))
+            if sink.on_expired is not None:
+                _guarded(sink.on_expired)
+
+    def _publish_work(self) -> None:
+        """Report the running work to the deadline model (admission.py, deadlines.py)."""
+        if self.on_running is None:
+            return
+        sched = self.engine.scheduler
+        # Preempted requests wait at the front of the queue to recompute; they are work ahead too.
+        preempted = itertools.takewhile(lambda r: r.status is RequestStatus.PREEMPTED, sched.waiting)
+        work = [(r.num_tokens - r.num_computed_tokens if r.is_prefill else 0,
+                 max(0, r.max_tokens - r.num_output_tokens))
+                for r in itertools.chain(sched.running, preempted)]
+        self._idle_published = not work
+        _guarded(self.on_running, work)
+
+    def _publish_idle(self) -> None:
+        if self.on_running is not None and not self._idle_published:
+            self._idle_published = True
+            _guarded(self.on_running, [])
 
     def _fail_retired(self, message: str) -> None:
         """After a failed step: tell the clients whose requests the engine retired."""
@@ -231,7 +300,8 @@ class AsyncEngine:
         try:
             self.engine.abort_request(list(self._sinks))
         except Exception:
-            log.exception("abort during shutdown failed")
+            log.exception("abort of every request failed")
         for sink in self._sinks.values():
             sink.put(failure)
         self._sinks.clear()
+        self._deadlines.clear()

@@ -2,7 +2,9 @@
 
 Shutdown drains: the first SIGINT/SIGTERM turns ``/health`` and new requests into 503 (so a load
 balancer stops sending work), requests already admitted run to the end for up to
-``--drain-timeout`` seconds, then uvicorn stops. A second signal stops at once.
+``--drain-timeout`` seconds; any still running then are failed with a 503 their clients can read
+(a stream gets an error event and ``data: [DONE]``, not a cut connection), then uvicorn stops.
+A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from minserve.server.admission import AdmissionConfig, ClassLimits
+from minserve.server.limits import CHARS_PER_TOKEN_BOUND, RequestLimits
 
 log = logging.getLogger("minserve.server")
+FLUSH_S = 2.0  # after the drain timeout: how long failed streams get to send their last events
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--device")
     eng.add_argument("--fused-decode", action=argparse.BooleanOptionalAction, default=None,
                      help="decode-only steps in the fused C kernel (default: whenever it can run)")
+    eng.add_argument("--max-request-records", type=int,
+                     help="finished requests kept for requests_frame() (default 10000; memory stays flat)")
     adm = ap.add_argument_group("admission (per priority class; batch defaults to interactive's)")
     adm.add_argument("--max-queued-requests", type=int, default=256)
     adm.add_argument("--max-queued-tokens", type=int)
@@ -47,12 +54,26 @@ def build_parser() -> argparse.ArgumentParser:
     adm.add_argument("--tenant-max-inflight", type=int, help="in-flight requests per tenant")
     adm.add_argument("--drain-timeout", type=float, default=30.0,
                      help="seconds to let admitted requests finish on shutdown")
+    lim = ap.add_argument_group("request limits, checked before any tokenization")
+    lim.add_argument("--max-request-body-bytes", type=int, default=RequestLimits.max_body_bytes,
+                     help="larger bodies get 413 (default: %(default)s, 4 MiB)")
+    lim.add_argument("--max-prompt-chars", type=int,
+                     help=f"longer prompts (or message contents, summed) get 400 (default: "
+                          f"max_model_len x {CHARS_PER_TOKEN_BOUND})")
+    auth = ap.add_argument_group("authentication (README: Serving over HTTP)")
+    auth.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                      help="require 'Authorization: Bearer KEY' on /v1/*; repeatable; admin keys, "
+                           "one tenant each (default: $VLLM_API_KEY). Visible in `ps`: prefer a keys file")
+    auth.add_argument("--api-keys-file", metavar="PATH",
+                      help="JSON file mapping keys to tenant, priority class and admin flag")
+    auth.add_argument("--metrics-require-admin", action=argparse.BooleanOptionalAction, default=True,
+                      help="with keys configured, /metrics needs an admin key (default: yes)")
     return ap
 
 
 ENGINE_ARGS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory",
                "max_model_len", "block_size", "enable_prefix_caching", "seed", "dtype", "device",
-               "fused_decode")
+               "fused_decode", "max_request_records")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
@@ -71,6 +92,18 @@ def admission_config(a: argparse.Namespace) -> AdmissionConfig:
                         pick(a.batch_max_queued_kv_bytes, a.max_queued_kv_bytes))
     return AdmissionConfig(interactive=interactive, batch=batch,
                            tenant_max_inflight=a.tenant_max_inflight)
+
+
+def auth_config(a: argparse.Namespace):
+    """The Auth of --api-key / $VLLM_API_KEY / --api-keys-file, or None (no keys: open server)."""
+    from minserve.server.auth import Auth
+    env_key = os.environ.get("VLLM_API_KEY")
+    keys = a.api_key if a.api_key is not None else ([env_key] if env_key else [])
+    return Auth.from_options(keys, a.api_keys_file, a.metrics_require_admin)
+
+
+def request_limits(a: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(max_body_bytes=a.max_request_body_bytes, max_prompt_chars=a.max_prompt_chars)
 
 
 def make_server(app, host: str, port: int, drain_timeout_s: float, log_level: str = "info"):
@@ -97,10 +130,21 @@ def make_server(app, host: str, port: int, drain_timeout_s: float, log_level: st
             self._drain_task = asyncio.get_running_loop().create_task(self._drain_then_exit())
 
         async def _drain_then_exit(self) -> None:
-            deadline = asyncio.get_running_loop().time() + drain_timeout_s
-            while (st.engine.has_unfinished_requests()
-                   and asyncio.get_running_loop().time() < deadline):
+            clock = asyncio.get_running_loop().time
+            deadline = clock() + drain_timeout_s
+            while st.engine.has_unfinished_requests() and clock() < deadline:
                 await asyncio.sleep(0.1)
+            if st.engine.has_unfinished_requests():
+                log.warning("drain timeout of %g s passed: failing %d requests still in flight",
+                            drain_timeout_s, st.engine.get_num_unfinished_requests())
+                from minserve.server.async_engine import RequestFailed
+                st.async_engine.fail_all(RequestFailed(
+                    f"the server is shutting down: the drain timeout of {drain_timeout_s:g} s passed "
+                    "before this request finished; retry it on another replica", 503, "draining"))
+                # Uvicorn's exit would cut the streams; let them write the error and [DONE] first.
+                flush_until = clock() + FLUSH_S
+                while st.open_flights and clock() < flush_until:
+                    await asyncio.sleep(0.02)
             self.should_exit = True
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
@@ -114,12 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     from minserve.engine.llm_engine import LLMEngine
     from minserve.server.app import create_app
     try:
+        auth = auth_config(a)  # first: a bad keys file should not wait for the model to load
         engine = LLMEngine.from_engine_args(a.model, **engine_kwargs(a))
         admission = admission_config(a)
+        limits = request_limits(a)
     except ValueError as e:
         print(f"minserve serve: {e}", file=sys.stderr)
         return 2
-    app = create_app(engine, served_model_name=a.served_model_name, admission=admission)
+    app = create_app(engine, served_model_name=a.served_model_name, admission=admission, auth=auth,
+                     limits=limits)
     server = make_server(app, a.host, a.port, a.drain_timeout, a.log_level.lower())
     server.run()
     return 0

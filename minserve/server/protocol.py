@@ -23,8 +23,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
-               429: "rate_limit_exceeded", 500: "internal_server_error",
-               503: "service_unavailable"}
+               413: "invalid_request_error", 429: "rate_limit_exceeded",
+               500: "internal_server_error", 503: "service_unavailable", 504: "timeout_error"}
 
 
 class ApiError(Exception):
@@ -38,8 +38,14 @@ class ApiError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    return {"error": {"message": _utf8(message), "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": None if param is None else _utf8(param), "code": code}}
+
+
+def _utf8(text: str) -> str:
+    """An error that quotes a client's lone surrogate must still encode, or the error response
+    itself fails (a 500 and a reset connection); such characters are written as escapes."""
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(err: ApiError) -> JSONResponse:
@@ -55,12 +61,25 @@ def validation_error_to_api(exc: RequestValidationError) -> ApiError:
         param = ".".join(loc) or "body"
         first_param = first_param or param
         if e.get("type") == "json_invalid":
-            parts.append(f"the body is not valid JSON ({e.get('ctx', {}).get('error', 'parse error')})")
-            first_param = "body"
+            # FastAPI's loc is ("body", character offset): the param names where parsing stopped.
+            where = _position(getattr(exc, "body", None), loc[0]) if loc and loc[0].isdigit() else ""
+            parts.append(f"the body is not valid JSON: {e.get('ctx', {}).get('error', 'parse error')}"
+                         f"{where}")
+            first_param = "body." + loc[0] if where else "body"
         else:
             got = repr(jsonable_encoder(e.get("input"), custom_encoder={bytes: repr}))
             parts.append(f"{param}: {e.get('msg')} (got {got[:60]})")
     return ApiError(400, "; ".join(parts) or "invalid request body", first_param)
+
+
+def _position(doc, pos: str) -> str:
+    """' at line L, column C (character N)' of a JSON parse error, as Python's json reports it."""
+    n = int(pos)
+    if not isinstance(doc, str):
+        return f" at character {n}"
+    line = doc.count("\n", 0, n) + 1
+    column = n - doc.rfind("\n", 0, n)
+    return f" at line {line}, column {column} (character {n})"
 
 
 class _Body(BaseModel):

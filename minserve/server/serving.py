@@ -1,9 +1,12 @@
 """From an OpenAI request body to engine inputs, and from engine outputs to OpenAI responses.
 
 Everything that can be wrong with a request is found here, before it is admitted or queued: the
+cheap limits first (limits.py: prompt characters, stop strings, valid Unicode everywhere), then the
 prompt is tokenized on the HTTP side (admission needs its length, and a prompt that does not fit
 the context must be a 400 now, not a failure later on the engine thread), and the SamplingParams
 are built here so their ValueErrors (which name the field and the range) become 400s.
+:func:`prepare` is blocking work (tokenizing, rendering chat templates): app.py runs it off the
+event loop.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from minserve.engine.inputs import check_params
 from minserve.outputs import CompletionOutput, Logprob, RequestOutput
 from minserve.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from minserve.server.limits import RequestLimits, check_sizes, check_strings
 from minserve.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, error_body
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -34,8 +39,10 @@ class Prepared:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def prepare(body, kind: str, engine, model_name: str) -> Prepared:
+def prepare(body, kind: str, engine, model_name: str, limits: RequestLimits | None = None) -> Prepared:
     """Validate ``body`` against the engine's limits; raises ApiError / ValueError (-> 400)."""
+    check_sizes(body, kind, limits or RequestLimits(), engine.max_model_len)  # before tokenizing
+    check_strings(body)  # before any message quotes a value
     if body.model is not None and body.model != model_name:
         raise ApiError(404, f"The model `{body.model}` does not exist; this server serves "
                        f"`{model_name}` (see /v1/models)", "model", "model_not_found")
@@ -62,6 +69,11 @@ def prepare(body, kind: str, engine, model_name: str) -> Prepared:
         include_stop_str_in_output=body.include_stop_str_in_output,
         # Streams get only what is new each step; a plain response needs only the final result.
         output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
+    try:  # the engine's own checks (e.g. min_tokens with every token a stop token), as a 400 now
+        check_params(params, engine.model_config.vocab_size, engine.eos_token_ids)
+    except ValueError as e:
+        first = str(e).split(" ", 1)[0]
+        raise ApiError(400, str(e), first if first.isidentifier() else None) from None
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     usage = bool(body.stream_options and body.stream_options.include_usage)
     return Prepared(kind, f"{prefix}-{uuid.uuid4().hex}", ids, params, model_name, top, usage)
@@ -157,9 +169,12 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    # cached_tokens: prompt tokens served from the prefix cache (OpenAI's field). The cache is
+    # salted per tenant, so these are always the caller's own tenant's hits.
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _top(d: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
@@ -207,7 +222,8 @@ def full_response(p: Prepared, out: RequestOutput) -> dict:
                                if p.top_logprobs is not None else None)}
         obj = "text_completion"
     return {"id": p.request_id, "object": obj, "created": p.created, "model": p.model,
-            "choices": [choice], "usage": usage(len(p.prompt_ids), len(c.token_ids))}
+            "choices": [choice],
+            "usage": usage(len(p.prompt_ids), len(c.token_ids), out.num_cached_tokens)}
 
 
 class StreamFormatter:
@@ -216,6 +232,7 @@ class StreamFormatter:
     def __init__(self, p: Prepared):
         self.p = p
         self.completion_tokens = 0
+        self.cached_tokens = 0
         self.text_offset = 0
         self.object = "chat.completion.chunk" if p.kind == "chat" else "text_completion"
 
@@ -233,6 +250,7 @@ class StreamFormatter:
     def delta(self, out: RequestOutput) -> list[str]:
         c = out.outputs[0]
         self.completion_tokens += len(c.token_ids)
+        self.cached_tokens = out.num_cached_tokens  # fixed when the request was first scheduled
         want_lp = self.p.top_logprobs is not None and c.token_ids
         if not (c.text or c.finish_reason or want_lp):
             return []  # e.g. half of a multi-byte character, held back by the engine
@@ -250,9 +268,10 @@ class StreamFormatter:
     def end(self) -> list[str]:
         tail = []
         if self.p.include_usage:
-            tail.append(self._chunk([], usage=usage(len(self.p.prompt_ids), self.completion_tokens)))
+            tail.append(self._chunk([], usage=usage(len(self.p.prompt_ids), self.completion_tokens,
+                                                    self.cached_tokens)))
         return tail + [sse("[DONE]")]
 
     @staticmethod
-    def error(status: int, message: str) -> str:
-        return sse(error_body(status, message))
+    def error(status: int, message: str, code: str | None = None) -> str:
+        return sse(error_body(status, message, code=code))
