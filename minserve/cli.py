@@ -1,4 +1,4 @@
-"""`minserve` command line: serve | bench serve | generate.
+"""`minserve` command line: serve | bench serve | generate | plan | prepare | doctor.
 
 Subcommands import their modules lazily, so `minserve generate` does not pay for FastAPI and
 `minserve serve` does not pay for the load generator.
@@ -28,7 +28,8 @@ def _generate(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: minserve {serve,bench serve,generate} [options]  (-h after a command for its options)"
+    usage = ("usage: minserve {serve,bench serve,generate,plan,prepare,doctor} [options]  "
+             "(-h after a command for its options)")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0
@@ -44,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(rest[1:])
     if cmd == "generate":
         return _generate(rest)
+    if cmd == "plan":
+        from minserve.plan.cli import main as plan_main
+        return plan_main(rest)
+    if cmd in ("prepare", "doctor"):
+        from minserve.workshop.cli import main as workshop_main
+        return workshop_main(cmd, rest)
     print(f"unknown command {cmd!r}\n{usage}", file=sys.stderr)
     return 2
 

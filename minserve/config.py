@@ -16,6 +16,10 @@ _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**1
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+# The KV pool of a CPU engine when neither num_kv_blocks nor kv_cache_memory is given.
+DEFAULT_CPU_KV_CACHE_MEMORY = "1GiB"
+
+
 def parse_bytes(value: int | str, field: str = "kv_cache_memory") -> int:
     """``"1GiB"`` -> 1073741824. Accepts ints (bytes) and strings with a decimal or binary unit."""
     if isinstance(value, bool):
@@ -47,9 +51,12 @@ def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
 class EngineConfig:
     """Everything an :class:`~minserve.engine.llm_engine.LLMEngine` needs besides the weights.
 
-    KV cache size, in order of precedence: ``num_kv_blocks`` if given; on CUDA,
-    ``gpu_memory_utilization`` of the *free* device memory (a shared workshop GPU must not be
-    grabbed whole, hence the low default); otherwise ``kv_cache_memory`` bytes.
+    KV cache size, in order of precedence: ``num_kv_blocks`` if given; else ``kv_cache_memory``
+    if given, as an absolute size on any device (a workshop gives each participant a fixed share
+    of one GPU this way; vLLM's ``kv_cache_memory_bytes`` also overrides its utilization); else,
+    on CUDA, ``gpu_memory_utilization`` of the *free* device memory (a shared GPU must not be
+    grabbed whole, hence the low default), and on CPU ``DEFAULT_CPU_KV_CACHE_MEMORY``.
+    ``kv_cache_memory_bytes`` is the parsed size, or the CPU default when none was given.
     """
 
     model: str = "smollm2-135m"
@@ -57,7 +64,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory: int | str = "1GiB"
+    kv_cache_memory: int | str | None = None  # None: see the precedence above
     gpu_memory_utilization: float = 0.3
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -82,7 +89,8 @@ class EngineConfig:
         _check_int("block_size", self.block_size, 1, 256)
         if self.num_kv_blocks is not None:
             _check_int("num_kv_blocks", self.num_kv_blocks, 1)
-        self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory)
+        self.kv_cache_memory_bytes = parse_bytes(DEFAULT_CPU_KV_CACHE_MEMORY if self.kv_cache_memory is None
+                                                 else self.kv_cache_memory)
         if isinstance(self.gpu_memory_utilization, bool) or not isinstance(
                 self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")

@@ -45,16 +45,31 @@ class KVCacheSpec:
         return self.max_tokens * self.bytes_per_token
 
 
+def kv_budget_bytes(cfg: EngineConfig) -> int:
+    """Bytes for the KV pool (EngineConfig's precedence; ``num_kv_blocks`` is handled by the caller).
+
+    An explicit ``kv_cache_memory`` is absolute on every device, so workshop participants sharing
+    one GPU each take a fixed amount instead of a share of whatever the others left free."""
+    if not str(cfg.device).startswith("cuda"):
+        return cfg.kv_cache_memory_bytes
+    free_bytes, _ = torch.cuda.mem_get_info(torch.device(cfg.device))
+    if cfg.kv_cache_memory is None:
+        return int(free_bytes * cfg.gpu_memory_utilization)
+    if cfg.kv_cache_memory_bytes > free_bytes:
+        raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} ({cfg.kv_cache_memory_bytes} bytes) must be "
+                         f"<= the free memory of {cfg.device} ({free_bytes} bytes = "
+                         f"{free_bytes / 2**30:.2f} GiB); lower it or free the GPU")
+    return cfg.kv_cache_memory_bytes
+
+
 def plan_kv_cache(model: ModelConfig, cfg: EngineConfig) -> KVCacheSpec:
-    """Decide the number of blocks from ``num_kv_blocks``, the free CUDA memory or a byte budget."""
+    """Decide the number of blocks from ``num_kv_blocks`` or a byte budget (``kv_budget_bytes``).
+    Whole blocks only: ``budget // (bytes_per_token * block_size)``; minserve.plan uses the same."""
     per_token = model.kv_bytes_per_token(torch.empty((), dtype=cfg.torch_dtype).element_size())
     if cfg.num_kv_blocks is not None:
         blocks = cfg.num_kv_blocks
-    elif str(cfg.device).startswith("cuda"):
-        free_bytes, _ = torch.cuda.mem_get_info(torch.device(cfg.device))
-        blocks = int(free_bytes * cfg.gpu_memory_utilization) // (per_token * cfg.block_size)
     else:
-        blocks = cfg.kv_cache_memory_bytes // (per_token * cfg.block_size)
+        blocks = kv_budget_bytes(cfg) // (per_token * cfg.block_size)
     if blocks < 1:
         raise ValueError(f"the KV cache budget holds no block of {cfg.block_size} tokens "
                          f"({per_token} bytes per token); raise kv_cache_memory or num_kv_blocks")

@@ -12,8 +12,8 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,9 +104,17 @@ def _converted(key: str, convert) -> Path:
     conversion never leaves a half-written model behind."""
     out = cache_dir() / key
     if (out / _DONE).exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=out.parent))
+        return out  # a prepared (possibly read-only) cache: reading it writes nothing
+    # mkdir, not mkdtemp: mkdtemp makes the directory 0700, and a cache prepared by one account
+    # for a workshop must stay readable by the participants' accounts (the umask decides).
+    tmp = out.parent / f".{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise ValueError(f"{key} is not in the model cache {out.parent} and the cache is not writable "
+                         f"({e}); run `minserve prepare` with write access to it, or set MINSERVE_CACHE "
+                         "to a writable directory") from e
     try:
         t0 = time.perf_counter()
         log.info("preparing %s in %s (first use only)...", key, out)

@@ -1,0 +1,145 @@
+"""The serving budget: what fits in memory and a first-order roofline of prefill and decode.
+
+Formulas (P = parameters, W = weight bytes streamed per forward pass, bw = memory bandwidth,
+C = matmul rate; every time is max(bytes / bw, FLOPs / C), a lower bound that real kernels
+approach but do not reach):
+
+- weights, per matrix of out x in: fp32 4 bytes, bf16/fp16 2 bytes per parameter; int8
+  1 byte + one scale per output row (per-channel); int4 half a byte + a scale and a zero point per
+  group of ``group_size`` inputs. Scales, zeros, norms, biases, the embedding and the LM head stay
+  in the activation ``dtype`` (weight-only quantization of the transformer blocks, as GPTQ/AWQ ship).
+- KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element.
+- KV blocks = KV budget // (KV bytes per token x block_size); a sequence of L tokens holds
+  ceil(L / block_size) blocks, exactly as minserve's engine allocates (engine/kv_cache.py).
+- decode step at batch B, every sequence at L tokens: bytes = W + B x L x KV bytes per token
+  (the weights are read once for the whole batch, each sequence's KV once for itself);
+  FLOPs = 2 x B x matmul P + 4 x B x L x layers x heads x head_dim (QK^T and PV).
+- prefill of one L-token prompt: FLOPs = 2 x L x block P + 2 x head P (logits for the last token
+  only) + 2 x layers x heads x head_dim x L x (L + 1) (causal QK^T and PV); bytes = W + L x KV
+  bytes per token written.
+
+Not counted: activations, the CUDA context and allocator slack (leave headroom in the budget),
+prefix-cache sharing (it lets more sequences fit), chunked prefill re-reading the weights, and the
+fixed cost of launching kernels and running Python per step, which dominates tiny models.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from minserve.models.registry import ModelConfig
+
+PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4")
+_PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_FLOAT_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GROUP_SIZES = (32, 64, 128)
+
+
+def normalize_precision(precision: str, dtype: str | None) -> tuple[str, str]:
+    """(precision, activation dtype); float precisions fix the dtype, int ones default to bf16."""
+    p = _PRECISION_ALIASES.get(str(precision).lower(), str(precision).lower())
+    if p not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if dtype is not None and dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    if p in _FLOAT_DTYPE:
+        if dtype is not None and dtype != _FLOAT_DTYPE[p]:
+            raise ValueError(f"dtype={dtype!r} contradicts precision={p!r} (its dtype is {_FLOAT_DTYPE[p]!r}); "
+                             "dtype is only a choice for int8/int4")
+        return p, _FLOAT_DTYPE[p]
+    return p, dtype or "bfloat16"
+
+
+def block_matrices(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(out, in) of every matmul in the transformer blocks (q, k, v, o, gate, up, down per layer)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)] * cfg.num_layers
+
+
+def _quantized_bytes(out: int, inp: int, precision: str, act_bytes: int, group_size: int) -> tuple[int, int]:
+    """(weight bytes, scale/zero bytes) of one out x in matrix."""
+    n = out * inp
+    if precision == "int8":
+        return n, out * act_bytes                                  # one scale per output row
+    if precision == "int4":
+        groups = out * math.ceil(inp / group_size)
+        return math.ceil(n / 2), groups * 2 * act_bytes            # scale + zero per group
+    return n * act_bytes, 0
+
+
+@dataclass
+class WeightBytes:
+    block_weights: int   # the quantizable matmuls of the transformer blocks
+    scales: int          # their scales and zero points
+    other: int           # norms, biases and the LM head, in the activation dtype
+    embedding: int       # the input embedding table (0 when tied to the LM head: shared storage)
+
+    @property
+    def per_step(self) -> int:
+        """Streamed per forward pass: all but the embedding, of which only a few rows are read."""
+        return self.block_weights + self.scales + self.other
+
+    @property
+    def resident(self) -> int:
+        return self.per_step + self.embedding
+
+
+def weight_bytes(cfg: ModelConfig, precision: str = "fp32", dtype: str | None = None,
+                 group_size: int = 128) -> WeightBytes:
+    """Bytes of the model's weights at ``precision`` (see the module docstring for the layout)."""
+    precision, dtype = normalize_precision(precision, dtype)
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size!r}")
+    act = DTYPE_BYTES[dtype]
+    w = s = 0
+    for out, inp in block_matrices(cfg):
+        wb, sb = _quantized_bytes(out, inp, precision, act, group_size)
+        w, s = w + wb, s + sb
+    h, table = cfg.hidden_size, cfg.vocab_size * cfg.hidden_size
+    norms = (2 * cfg.num_layers + 1) * h
+    other = (_bias_params(cfg) + norms + table) * act  # table: the LM head, read every step
+    return WeightBytes(w, s, other, 0 if cfg.tie_word_embeddings else table * act)
+
+
+def _bias_params(cfg: ModelConfig) -> int:
+    """q/k/v biases (Qwen2); the other projections have none in the Llama family."""
+    return (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * cfg.num_layers if cfg.attention_bias else 0
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Unique parameters (a tied LM head counted once)."""
+    blocks = sum(o * i for o, i in block_matrices(cfg))
+    tables = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    return blocks + _bias_params(cfg) + (2 * cfg.num_layers + 1) * cfg.hidden_size + tables
+
+
+@dataclass
+class Roofline:
+    seconds: float
+    bytes: int
+    flops: int
+    bound: str   # "memory" or "compute": which of the two times is the larger
+
+    @classmethod
+    def of(cls, nbytes: int, flops: int, bandwidth: float, rate: float) -> "Roofline":
+        tm, tc = nbytes / bandwidth, flops / rate
+        return cls(max(tm, tc), nbytes, flops, "memory" if tm >= tc else "compute")
+
+
+def decode_step(cfg: ModelConfig, w_step: int, kv_per_token: int, batch: int, context_len: int,
+                bandwidth: float, rate: float) -> Roofline:
+    matmul_p = sum(o * i for o, i in block_matrices(cfg)) + cfg.vocab_size * cfg.hidden_size
+    attn = 4 * context_len * cfg.num_layers * cfg.num_heads * cfg.head_dim
+    return Roofline.of(w_step + batch * context_len * kv_per_token, batch * (2 * matmul_p + attn),
+                       bandwidth, rate)
+
+
+def prefill(cfg: ModelConfig, w_step: int, kv_per_token: int, prompt_len: int,
+            bandwidth: float, rate: float) -> Roofline:
+    block_p = sum(o * i for o, i in block_matrices(cfg))
+    attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * prompt_len * (prompt_len + 1)
+    flops = 2 * prompt_len * block_p + 2 * cfg.vocab_size * cfg.hidden_size + attn
+    return Roofline.of(w_step + prompt_len * kv_per_token, flops, bandwidth, rate)
