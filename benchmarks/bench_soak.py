@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import collections
 import json
+import os
 import random
 import re
 import subprocess
@@ -197,9 +198,13 @@ def _report(args, outcomes, sampler: Sampler, gauges, wall_s: float) -> dict:
 
 def start_server(args, port: int) -> subprocess.Popen:
     """`minserve serve` with a small KV pool, so the soak also runs under KV pressure."""
+    env = dict(os.environ)
+    if args.server_src:  # another checkout's minserve first on the path: before/after comparisons
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.server_src, env.get("PYTHONPATH")]))
     proc = subprocess.Popen([sys.executable, "-m", "minserve.cli", "serve", "--model", args.model,
                              "--port", str(port), "--log-level", "warning", "--max-num-seqs", "16",
-                             "--num-kv-blocks", str(args.num_kv_blocks)])
+                             "--num-kv-blocks", str(args.num_kv_blocks)], env=env,
+                            cwd=args.server_src or None)
     deadline = time.time() + 180
     while time.time() < deadline:
         try:
@@ -219,6 +224,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-kv-blocks", type=int, default=96, help="KV pool of the server (16-token blocks)")
+    ap.add_argument("--server-src", help="run the server from this checkout (e.g. a git worktree of an "
+                                         "older commit) to compare before and after a change")
     ap.add_argument("--out", default="benchmarks/results/soak.json")
     args = ap.parse_args()
     args.served_model_name = args.model
