@@ -23,3 +23,17 @@ def test_serve_flags_become_engine_arguments():
     assert kwargs == {"fused_decode": False, "max_num_seqs": 4, "enable_prefix_caching": False}
     assert EngineConfig.from_kwargs("tiny-llama", **kwargs).fused_decode is False
     assert engine_kwargs(build_parser().parse_args([])) == {}  # unset flags keep the engine's defaults
+
+
+def test_every_serve_engine_flag_is_an_engine_argument():
+    """Each name serve forwards exists in EngineConfig, and each has its --flag."""
+    from dataclasses import fields
+
+    from minserve.config import EngineConfig
+    from minserve.server.cli import ENGINE_ARGS, build_parser, engine_kwargs
+    assert set(ENGINE_ARGS) <= {f.name for f in fields(EngineConfig)}
+    args = build_parser().parse_args(["--gpu-memory-utilization", "0.5", "--no-enable-chunked-prefill",
+                                      "--max-request-records", "7", "--kv-cache-memory", "64MiB"])
+    assert engine_kwargs(args) == {"gpu_memory_utilization": 0.5, "enable_chunked_prefill": False,
+                                   "max_request_records": 7, "kv_cache_memory": "64MiB"}
+    assert EngineConfig.from_kwargs("tiny-llama", **engine_kwargs(args)).max_request_records == 7

@@ -33,7 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-num-seqs", type=int)
     eng.add_argument("--max-num-batched-tokens", type=int)
     eng.add_argument("--num-kv-blocks", type=int)
-    eng.add_argument("--kv-cache-memory", help="KV cache size, e.g. 512MiB")
+    eng.add_argument("--kv-cache-memory", help="KV cache size, e.g. 512MiB (absolute, CPU and CUDA)")
+    eng.add_argument("--gpu-memory-utilization", type=float,
+                     help="on CUDA without --kv-cache-memory: share of free GPU memory for the KV cache")
+    eng.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     eng.add_argument("--max-model-len", type=int)
     eng.add_argument("--block-size", type=int)
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
@@ -72,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 ENGINE_ARGS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory",
+               "gpu_memory_utilization", "enable_chunked_prefill",
                "max_model_len", "block_size", "enable_prefix_caching", "seed", "dtype", "device",
                "fused_decode", "max_request_records")
 
