@@ -44,6 +44,11 @@ class StepStats:
     num_preemptions: int          # in this step
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache in this step
     prefix_cache_hits: int = 0     # of those, tokens found cached
+    # The step's prefill work, per request: (request_id, context_len, num_tokens) for every prompt
+    # chunk (or recompute after preemption) computed in it; the tokens sum to num_prefill_tokens.
+    # Decode tokens are not listed (a decode-only step keeps the shared empty tuple), so a long
+    # history stays small. Lab timelines draw chunk boundaries from it.
+    prefill_chunks: tuple = ()
 
 
 class LLMEngine:
@@ -255,7 +260,9 @@ class LLMEngine:
             num_prefill_tokens=sched.num_prefill_tokens, num_decode_tokens=sched.num_decode_tokens,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.kv.usage, num_preemptions=preemptions,
-            prefix_cache_queries=sched.prefix_cache_queries, prefix_cache_hits=sched.prefix_cache_hits))
+            prefix_cache_queries=sched.prefix_cache_queries, prefix_cache_hits=sched.prefix_cache_hits,
+            prefill_chunks=tuple((s.request.request_id, s.context_len, s.num_new_tokens)
+                                 for s in sched.scheduled if s.num_new_tokens > 1 or not s.samples)))
         return self.step_stats[-1]
 
     @property

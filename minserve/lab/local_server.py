@@ -1,0 +1,188 @@
+"""A ``minserve serve`` inside the notebook: the OpenAI-compatible app on a free local port.
+
+Labs that look at the server side of serving (admission control, deadlines, tenants, API keys)
+need a real HTTP server, yet a notebook should not have to start a process in a terminal and
+wait for it. :func:`serve` builds the same app the CLI runs, :func:`minserve.server.create_app`,
+around the notebook's engine and runs it with uvicorn on a background thread, on a port the
+operating system picks (bound before uvicorn starts, so two notebooks never race for one)::
+
+    srv = lab.serve(llm, admission=AdmissionConfig(interactive=ClassLimits(max_queued_requests=4)))
+    run = lab.run_workload(base_url=srv.base_url, requests=reqs)    # or any OpenAI client
+    srv.stop()
+
+``with lab.serve(llm, ...) as srv:`` stops it at the end of the block.
+
+One engine, one server at a time: the server's engine thread owns the engine while it runs, so
+:func:`serve` stops a server still running on the same engine first (re-running a notebook cell
+just works), and the notebook must not call ``llm.generate`` while a server holds the engine.
+Stopping gives the engine back: requests still in flight are aborted (their clients get 503),
+and the admission controller's ``minserve:admission_*`` series leave the engine's Prometheus
+registry, so the next server on the same engine, with another admission policy, can register
+its own (``create_app`` registers them there, once per app).
+
+uvicorn's access log is off and its own messages are limited to warnings: a lab shows what the
+clients saw, not one log line per request.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+_by_engine: dict[int, "LocalServer"] = {}
+_lock = threading.Lock()
+
+
+def _engine_of(target):
+    eng = getattr(target, "llm_engine", target)
+    if not hasattr(eng, "step") or not hasattr(eng, "add_request"):
+        raise ValueError(f"serve() needs an LLM or an LLMEngine, got {type(target).__name__}")
+    return eng
+
+
+def _drop_admission_series(engine) -> None:
+    """Take the admission series out of the engine's registry (create_app put them there) so
+    another app can be created on this engine. prometheus_client has no "unregister by name",
+    so the collectors are found through the registry's name index."""
+    registry = getattr(getattr(engine, "metrics", None), "registry", None)
+    if registry is None:
+        return
+    names = getattr(registry, "_names_to_collectors", {})
+    collectors = {id(c): c for n, c in list(names.items()) if n.startswith("minserve:admission")}
+    for c in collectors.values():
+        try:
+            registry.unregister(c)
+        except KeyError:
+            pass
+
+
+class LocalServer:
+    """The app for ``engine`` served on ``127.0.0.1:<port>`` by uvicorn in a daemon thread.
+
+    ``base_url`` (no trailing slash, no ``/v1``), ``app`` (the FastAPI app), ``admission`` (its
+    :class:`~minserve.server.admission.AdmissionController`: ``admission.config`` is the policy in
+    force, with the engine's ``parallel_slots`` and ``kv_bytes_per_token`` filled in)."""
+
+    def __init__(self, target, *, admission=None, auth=None, limits=None,
+                 served_model_name: str | None = None, start_timeout_s: float = 60.0):
+        from minserve.server import create_app
+        self.engine = _engine_of(target)
+        with _lock:
+            old = _by_engine.get(id(self.engine))
+        if old is not None:
+            old.stop()  # one server per engine: a re-run cell replaces the previous server
+        else:
+            _drop_admission_series(self.engine)  # left by a server that never started
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("the engine still has unfinished requests; finish or abort them "
+                               "before serving it (the server's engine thread must own it alone)")
+        self.app = create_app(self.engine, served_model_name=served_model_name, admission=admission,
+                              auth=auth, limits=limits)
+        self.state = self.app.state.minserve
+        self.admission = self.state.admission
+        self.model_name = self.state.model_name
+        self.start_timeout_s = start_timeout_s
+        self.base_url: str | None = None
+        self._server = self._thread = self._sock = None
+
+    # ---- life ---------------------------------------------------------------------------------
+
+    def start(self) -> "LocalServer":
+        import uvicorn
+        if self.running:
+            return self
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))  # the OS picks a free port; held until uvicorn takes it
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="on")
+        self._server, self._sock = uvicorn.Server(config), sock
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name="minserve-lab-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                _drop_admission_series(self.engine)
+                raise RuntimeError("the local server did not start (see the messages above); "
+                                   f"waited {self.start_timeout_s:.0f} s")
+            time.sleep(0.02)
+        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        with _lock:
+            _by_engine[id(self.engine)] = self
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop serving: requests in flight end with 503, the engine is free again. Idempotent."""
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise RuntimeError(f"the local server at {self.base_url} did not stop within "
+                                   f"{timeout_s:.0f} s")
+        if self._sock is not None:
+            self._sock.close()
+        self._thread = self._server = self._sock = None
+        _drop_admission_series(self.engine)
+        with _lock:
+            if _by_engine.get(id(self.engine)) is self:
+                del _by_engine[id(self.engine)]
+
+    def __enter__(self) -> "LocalServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = f"serving at {self.base_url}" if self.running else "stopped"
+        return f"LocalServer({self.model_name!r}, {state})"
+
+    # ---- what the server saw ------------------------------------------------------------------
+
+    def sample(self, name: str, **labels) -> float:
+        """One sample of the engine's registry (what ``/metrics`` shows), 0 when absent, e.g.
+        ``srv.sample("minserve:admission_rejected_total", reason="deadline",
+        priority_class="interactive")``."""
+        v = self.engine.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if v is None else float(v)
+
+    def admission_counts(self) -> "Any":
+        """Admitted and shed requests so far, by priority class and reason (a DataFrame)."""
+        import pandas as pd
+        from minserve.server.admission import PRIORITY_CLASSES, REJECT_REASONS
+        rows = []
+        for c in PRIORITY_CLASSES:
+            row = {"admitted": self.sample("minserve:admission_admitted_total", priority_class=c)}
+            for r in REJECT_REASONS:
+                row[f"shed: {r}"] = self.sample("minserve:admission_rejected_total", reason=r,
+                                                priority_class=c)
+            row["expired in queue (504)"] = self.sample("minserve:admission_deadline_expired_total",
+                                                        priority_class=c)
+            rows.append(pd.Series(row, name=c))
+        df = pd.DataFrame(rows).astype(int)
+        return df.loc[:, (df != 0).any(axis=0) | (df.columns == "admitted")]
+
+
+def serve(target, *, admission=None, auth=None, limits=None, served_model_name: str | None = None,
+          start_timeout_s: float = 60.0) -> LocalServer:
+    """Start :func:`minserve.server.create_app` for ``target`` (an ``LLM`` or ``LLMEngine``) on a
+    free local port; returns the running :class:`LocalServer`. ``admission``
+    (:class:`~minserve.server.AdmissionConfig`), ``auth`` (:class:`~minserve.server.Auth`) and
+    ``limits`` are ``create_app``'s. A server still running on the same engine is stopped first."""
+    return LocalServer(target, admission=admission, auth=auth, limits=limits,
+                       served_model_name=served_model_name, start_timeout_s=start_timeout_s).start()
+
+
+def stop_all() -> None:
+    """Stop every server :func:`serve` started (e.g. before releasing the engine)."""
+    with _lock:
+        servers = list(_by_engine.values())
+    for s in servers:
+        s.stop()

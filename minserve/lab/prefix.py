@@ -1,0 +1,109 @@
+"""Workloads whose prompts share a prefix, and what the prefix cache did with them.
+
+Real traffic repeats itself at the start of the prompt: an agent's system prompt and tool
+definitions, a company's policy preamble, the same retrieved document for several questions.
+With automatic prefix caching (:mod:`minserve.engine.kv_cache`) the KV blocks of such a prefix are
+computed once and then reused, so a later request only prefills what is new. Whether a workload
+benefits is a measurement, not a setting: the engine counts prompt tokens looked up in the cache
+(``vllm:prefix_cache_queries``) and tokens found (``vllm:prefix_cache_hits``), per step in
+``steps_frame()`` and per request in ``num_cached_tokens``.
+
+- :func:`shared_prefix_requests` builds requests that start with one shared text (or none);
+- :func:`prefix_experiment` runs such a workload (the function the lab's control panel calls);
+- :func:`cache_report` sums the run's cache counters (queries, hits, hit rate, requests that hit);
+- :func:`cache_counters` reads the engine's two Prometheus counters, for before/after deltas;
+- :func:`common_prefix_tokens` counts the token ids two prompts share at the start.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Sequence
+
+_seeds = itertools.count(10_000)
+
+
+def common_prefix_tokens(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many token ids ``a`` and ``b`` share at the start."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def cache_counters(llm) -> dict[str, float]:
+    """The engine's prefix-cache counters (``vllm:prefix_cache_queries`` and ``_hits``, in tokens,
+    since the engine started): take them before and after a run and subtract."""
+    snap = getattr(llm, "llm_engine", llm).snapshot()
+    return {"queries": float(snap.get("vllm:prefix_cache_queries", 0.0)),
+            "hits": float(snap.get("vllm:prefix_cache_hits", 0.0))}
+
+
+def shared_prefix_requests(tokenizer, num_requests: int, prompt_tokens: int, output_tokens: int,
+                           shared_tokens: int = 0, preamble: str = "", seed: int = 0,
+                           label: str | None = None, seam: str = "\n\nRequest:"):
+    """``num_requests`` requests of ``prompt_tokens`` tokens that all start with one shared text:
+    ``preamble``, documentation text up to ``shared_tokens`` tokens, then ``seam``. The rest of
+    each prompt is its own (a different passage per request). ``shared_tokens=0``: every prompt
+    is unique. Returns (requests, shared_text).
+
+    Why the seam: a tokenizer merges characters across the join (a run of spaces and newlines is
+    one token), so text glued straight after the shared part could change its last tokens from
+    one request to the next. The seam ends in ``:`` followed by a space, which no following text
+    can merge with, so every request shares the same token ids up to the seam."""
+    from minserve.lab.workload import make_requests, text_of_length
+    if not 0 <= shared_tokens < prompt_tokens:
+        raise ValueError(f"shared_tokens must be in [0, prompt_tokens) = [0, {prompt_tokens}), "
+                         f"got {shared_tokens}")
+    shared = (text_of_length(tokenizer, shared_tokens, seed=seed, prefix=preamble) + seam
+              if shared_tokens else "")
+    name = label or ("shared prefix" if shared_tokens else "unique")
+    reqs = make_requests(tokenizer, prompt_tokens, output_tokens, num_requests,
+                         labels=[name] * num_requests, seed=seed + 1,
+                         prefixes=[shared + " "] * num_requests if shared else None)
+    return reqs, shared
+
+
+def prefix_experiment(preset=None, *, num_requests: int = 8, request_rate: float = math.inf,
+                      max_concurrency: int | None = None, prompt_tokens: int = 352,
+                      output_tokens: int = 8, shared_fraction: float = 0.9, preamble: str = "",
+                      seed: int | None = None, max_num_seqs: int | None = None,
+                      max_num_batched_tokens: int | None = None, num_kv_blocks: int | None = None,
+                      enable_prefix_caching: bool = True, live: bool = True, name: str | None = None):
+    """One run of ``num_requests`` prompts of ``prompt_tokens`` tokens whose first
+    ``shared_fraction`` is shared (0: all unique), on the engine :func:`engine_for` gives for
+    these settings. ``seed`` None picks a new one each call, so the shared text is cold (not yet
+    cached) at the start of every run; pass a seed to rerun the same text warm. Returns the
+    :class:`~minserve.lab.workload.RunResult`; :func:`cache_report` summarises its cache use."""
+    from minserve.lab.session import engine_for
+    from minserve.lab.workload import run_workload
+    if not 0 <= shared_fraction < 1:
+        raise ValueError(f"shared_fraction must be in [0, 1), got {shared_fraction}")
+    llm = engine_for(preset, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                     num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching)
+    seed = next(_seeds) if seed is None else seed
+    shared_tokens = int(round(shared_fraction * prompt_tokens))
+    reqs, _ = shared_prefix_requests(llm.get_tokenizer(), num_requests, prompt_tokens, output_tokens,
+                                     shared_tokens, preamble, seed=seed * 7)
+    label = name or (f"{num_requests} x {prompt_tokens} tokens, {shared_tokens} shared, "
+                     f"cache {'on' if enable_prefix_caching else 'off'}")
+    return run_workload(llm, reqs, request_rate=request_rate, max_concurrency=max_concurrency,
+                        seed=seed, live=live, name=label)
+
+
+def cache_report(run) -> dict[str, float]:
+    """The run's prefix-cache use from the engine's step records: ``queries`` (prompt tokens looked
+    up), ``hits`` (tokens served from the cache, i.e. prefill skipped), ``hit_rate`` (hits /
+    queries), ``computed`` (prompt tokens actually prefilled), ``requests_with_hits`` (requests
+    whose ``cached_tokens`` > 0) and ``requests``."""
+    run.require_engine("cache_report")
+    st, rq = run.steps, run.requests
+    queries = float(st.prefix_cache_queries.sum())
+    hits = float(st.prefix_cache_hits.sum())
+    return {"queries": queries, "hits": hits,
+            "hit_rate": hits / queries if queries else math.nan,
+            "computed": float(st.num_prefill_tokens.sum()),
+            "requests_with_hits": int((rq.cached_tokens > 0).sum()), "requests": int(len(rq))}

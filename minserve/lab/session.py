@@ -1,0 +1,146 @@
+"""Notebook set-up: a quiet engine, readable figures, one engine at a time.
+
+:func:`setup` is the first call of every lab. It
+
+- routes minserve's log messages to stdout as plain text at WARNING level: Jupyter paints stderr
+  red, and an engine's routine start-up lines ("engine ready in 2.1 s") read as errors to a
+  learner. ``setup(log_level="INFO")`` shows them again (still as plain text);
+- quiets the libraries' own chatter (transformers' warnings, tqdm's experimental warning);
+- sets matplotlib defaults (size, grid, no top/right spines) so every lab's figures look alike;
+- returns the :class:`~minserve.lab.presets.Preset` of this run.
+
+:func:`engine_for` keeps at most one engine alive: a lab that changes an engine argument (the KV
+budget, ``max_num_seqs``) gets a new engine and the old one's weights and KV pool are freed, so a
+laptop never holds two copies of the model.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import platform
+import sys
+import warnings
+
+from minserve.lab.presets import Preset, get_preset, is_ci
+
+
+class _PlainStdoutHandler(logging.Handler):
+    """Writes records to whatever ``sys.stdout`` is *now* (Jupyter swaps it per cell)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stdout.write(self.format(record) + "\n")
+        except Exception:  # noqa: BLE001 - logging must never break a lab
+            self.handleError(record)
+
+
+def quiet_logging(level: str | int = "WARNING") -> None:
+    """minserve's logger: ``level`` and above, as plain text on stdout; library noise off."""
+    logger = logging.getLogger("minserve")
+    for h in list(logger.handlers):
+        logger.removeHandler(h)
+    handler = _PlainStdoutHandler()
+    handler.setFormatter(logging.Formatter("[minserve %(levelname)s] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level if isinstance(level, int) else level.upper())
+    logger.propagate = False
+    try:
+        from transformers.utils import logging as hf_logging
+        hf_logging.set_verbosity_error()
+    except Exception:  # noqa: BLE001 - transformers is optional for this
+        pass
+    warnings.filterwarnings("ignore", message=".*IProgress not found.*")
+    warnings.filterwarnings("ignore", category=UserWarning, module="tqdm")
+
+
+def figure_style() -> None:
+    """Shared matplotlib defaults for the labs."""
+    import matplotlib as mpl
+    mpl.rcParams.update({
+        "figure.figsize": (9, 3.6), "figure.dpi": 90, "axes.grid": True, "grid.alpha": 0.3,
+        "axes.spines.top": False, "axes.spines.right": False, "legend.frameon": False,
+        "axes.titlesize": 11, "axes.labelsize": 10, "legend.fontsize": 9,
+    })
+
+
+def setup(log_level: str | int = "WARNING", preset: str | None = None) -> Preset:
+    """Quiet logs, figure defaults; returns this run's preset (``MINSERVE_LAB_PRESET``)."""
+    quiet_logging(log_level)
+    figure_style()
+    try:
+        import pandas as pd
+        pd.set_option("display.precision", 3)
+        pd.set_option("display.max_columns", 30)
+        pd.set_option("display.width", 160)
+    except ImportError:
+        pass
+    return get_preset(preset)
+
+
+def environment_summary() -> dict:
+    """What the labs run on: Python, torch, device, threads, preset. Printed and returned."""
+    import torch
+    preset = get_preset()
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": preset.device,
+        "cpu threads": torch.get_num_threads(),
+        "CUDA": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "not available",
+        "preset": preset.name,
+        "CI mode": is_ci(),
+    }
+    width = max(map(len, info))
+    for k, v in info.items():
+        print(f"{k:<{width}}  {v}")
+    return info
+
+
+_current: dict = {"key": None, "llm": None}
+
+
+def engine_for(preset: Preset | None = None, model: str | None = None, warm_up: bool = True,
+               **engine_args):
+    """An ``LLM`` for ``model`` (default: the preset's) with the preset's engine arguments plus
+    ``engine_args``, warmed up (see :func:`warm`). The same arguments give back the same ``LLM``
+    (nothing reloads when a cell is run again); different ones free the previous engine first
+    (a notebook variable still holding the old one keeps it alive)."""
+    from minserve import LLM
+    preset = preset or get_preset()
+    model = model or preset.model
+    kwargs = preset.engine_kwargs(**engine_args)
+    key = (model, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+    if _current["key"] == key and _current["llm"] is not None:
+        llm = _current["llm"]
+        if not llm.llm_engine.has_unfinished_requests():
+            return llm
+    release_engine()
+    llm = LLM(model, **kwargs)
+    if warm_up:
+        warm(llm)
+    _current.update(key=key, llm=llm)
+    return llm
+
+
+def warm(llm) -> None:
+    """Run two tiny requests so the first measured one does not pay for first-use costs
+    (allocations, thread pools, the first call into each kernel): on a 2-core CPU the very first
+    step of a fresh engine can take a second or more longer than the next."""
+    from minserve import SamplingParams
+    budget = llm.llm_engine.config.max_num_batched_tokens
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for n in (8, min(64, budget)):
+        llm.generate([{"prompt_token_ids": list(range(1000, 1000 + n))}], params, use_tqdm=False)
+
+
+def release_engine() -> None:
+    """Drop the engine :func:`engine_for` holds (its weights and KV pool are freed)."""
+    _current.update(key=None, llm=None)
+    gc.collect()
+    try:
+        import torch
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001
+        pass
