@@ -82,6 +82,10 @@ class EngineConfig:
     # 8 bytes per output token), the oldest dropped first; memory stays flat however long it serves.
     max_request_records: int = 10_000
     max_step_records: int = 100_000
+    # minserve's own: on CPU, pick each decode step's thread count from measured step times, so a
+    # core taken by another process costs a share of the speed, not nearly all of it (OpenMP
+    # threads otherwise wait at every barrier for a partner that is not running). engine/threads.py.
+    adaptive_threads: bool = True
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
@@ -105,6 +109,8 @@ class EngineConfig:
         _check_int("seed", self.seed, 0)
         _check_int("max_request_records", self.max_request_records, 0, 10_000_000)
         _check_int("max_step_records", self.max_step_records, 1, 10_000_000)
+        if not isinstance(self.adaptive_threads, bool):
+            raise ValueError(f"adaptive_threads must be True or False, got {self.adaptive_threads!r}")
         if self.fused_decode not in (None, True, False):
             raise ValueError(f"fused_decode must be None (auto), True or False, got {self.fused_decode!r}")
 

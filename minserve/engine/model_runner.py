@@ -8,6 +8,9 @@ logits (the last new token of every sequence that reaches the end of its known t
 Two ways to run the forward pass: the PyTorch model (models/llama.py) for every step, or, on CPU
 when every sequence adds exactly one token, the fused C decode step (kernels/decode.py), which
 computes the same thing without ~35 Python-dispatched operations per layer.
+
+On CPU each step runs with the thread count a :class:`~minserve.engine.threads.ThreadController`
+picks from measured decode steps: fewer threads when other processes take cores (engine/threads.py).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from minserve.config import EngineConfig
 from minserve.engine.kv_cache import KVCacheManager, KVCacheSpec, allocate_kv_tensors
 from minserve.engine.sampler import Sampler, SamplingBatch
 from minserve.engine.scheduler import SchedulerOutput
+from minserve.engine.threads import CpuLoadHint, ThreadController, adaptive_threads_enabled
 from minserve.kernels.build import KernelUnavailable
 from minserve.kernels.decode import FusedDecoder, unsupported_reason
 from minserve.models.llama import LlamaForCausalLM
@@ -48,6 +52,10 @@ class ModelRunner:
         self.sampler = Sampler(generator)
         self.block_size = spec.block_size
         self.fused = _fused_decoder(self.model, self.kv_caches, config)
+        # CPU only: a GPU step's host threads are not where its time goes.
+        adaptive = adaptive_threads_enabled(config) and self.device.type == "cpu"
+        self.threads = ThreadController(torch.get_num_threads(), enabled=adaptive,
+                                        load_hint=CpuLoadHint() if adaptive else None)
 
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> dict[str, SampledToken]:
         """Run the step; return the sampled token of every request whose step ends in a sample."""
@@ -66,10 +74,29 @@ class ModelRunner:
                                         self.block_size, self.device)
         to = dict(dtype=torch.long, device=self.device)
         ids, pos, rows = (torch.tensor(v, **to) for v in (tokens, positions, logits_rows))
-        if self.fused is not None and self.fused.supports([s.num_new_tokens for s in sched.scheduled]):
-            logits = self.fused(ids, pos, meta.groups[0].kv_blocks, rows)  # one group: all decodes
-        else:
-            logits = self.model(ids, pos, self.kv_caches, meta, rows)
+        query_lens = [s.num_new_tokens for s in sched.scheduled]
+        fused = self.fused is not None and self.fused.supports(query_lens)
+        # Decode-only steps are timed per shape; prefill chunks vary too much to compare.
+        decode_only = bool(query_lens) and all(q == 1 for q in query_lens)
+        key = (fused, _batch_bucket(len(query_lens))) if decode_only else None
+        user_threads = torch.get_num_threads()
+        threads = self.threads.choose(key) if self.threads.enabled else user_threads
+        if threads != user_threads:  # the whole step (sampler too), then the caller's setting back
+            torch.set_num_threads(threads)
+        try:
+            t0 = self.threads.clock()
+            if fused:
+                logits = self.fused(ids, pos, meta.groups[0].kv_blocks, rows, threads)  # all decodes
+            else:
+                logits = self.model(ids, pos, self.kv_caches, meta, rows)
+            sampled = self._sample(sched, logits)
+            self.threads.record(key, threads, self.threads.clock() - t0)
+        finally:
+            if threads != user_threads:
+                torch.set_num_threads(user_threads)
+        return sampled
+
+    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> dict[str, SampledToken]:
         sampling = [s.request for s in sched.scheduled if s.samples]
         if not sampling:
             return {}
@@ -106,6 +133,11 @@ def _fused_decoder(model, kv_caches, config: EngineConfig) -> FusedDecoder | Non
     (log.warning if broken else log.info)("decode steps run in PyTorch (fused decode kernel "
                                           "unavailable: %s)", reason)
     return None
+
+
+def _batch_bucket(batch: int) -> int:
+    """Batch sizes whose steps cost about the same: exact up to 4, then powers of two."""
+    return batch if batch <= 4 else 1 << (batch - 1).bit_length()
 
 
 def _banned_tokens(req) -> list[int]:

@@ -73,6 +73,9 @@ def build(name: str) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise KernelUnavailable(f"cannot create the kernel cache {out.parent}: {e} (set MINSERVE_CACHE)") from e
+    if not os.access(out.parent, os.W_OK):  # a read-only cache prepared for another CPU or source
+        raise KernelUnavailable(f"the kernel cache {out.parent} is read-only and holds no {out.name}; "
+                                "run `minserve prepare` with write access, or set MINSERVE_CACHE")
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.so")  # rename is atomic: no half-written .so
     cmd = [_compiler(), *FLAGS, str(SOURCE_DIR / f"{name}.c"), "-o", str(tmp), "-lm"]
     try:

@@ -71,7 +71,8 @@ class FusedDecoder:
             raise KernelUnavailable(reason)
         self._lib = load("decode")
         self.library_name = self._lib._name
-        self._lib.ms_decode_step.restype = None
+        self._lib.ms_decode_step.restype = _I64
+        self.last_team_size = 0   # OpenMP threads that ran the last step (the kernel reports it)
         self.max_batch = max_batch
         # The C side holds raw pointers: keep every bound tensor alive. Replacing a weight tensor
         # later (model.to(), quantizing in place) needs a new FusedDecoder.
@@ -105,20 +106,23 @@ class FusedDecoder:
         self._scratch.scores, self._scratch.scores_stride = _ptr(self._scores), stride
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-                 logits_indices: torch.Tensor) -> torch.Tensor:
-        """Tokens [B] at positions [B] with block tables [B, n] (int64) -> logits [rows, vocab]."""
+                 logits_indices: torch.Tensor, num_threads: int = 0) -> torch.Tensor:
+        """Tokens [B] at positions [B] with block tables [B, n] (int64) -> logits [rows, vocab].
+
+        ``num_threads``: the OpenMP team size of the step's parallel regions (0: PyTorch's current
+        thread count); the engine lowers it when other processes take cores (engine/threads.py).
+        """
         # Named locals: the C call reads raw pointers, so every tensor must outlive it.
         ids, pos = input_ids.contiguous(), positions.contiguous()
         tables, rows = block_tables.contiguous(), logits_indices.contiguous()
         self._check(ids, pos, tables, rows)
         self._ensure_scores(int(pos.max()) + 1)
         logits = torch.empty(rows.shape[0], self._model.vocab)
-        self._lib.ms_decode_step(ctypes.byref(self._model), ctypes.byref(self._scratch),
-                                 _I64(ids.shape[0]), _ptr(ids, _i64p), _ptr(pos, _i64p),
-                                 _ptr(tables, _i64p), _I64(tables.shape[1]), _ptr(rows, _i64p),
-                                 _I64(rows.shape[0]), _ptr(logits))
+        self.last_team_size = self._lib.ms_decode_step(
+            ctypes.byref(self._model), ctypes.byref(self._scratch), _I64(ids.shape[0]),
+            _ptr(ids, _i64p), _ptr(pos, _i64p), _ptr(tables, _i64p), _I64(tables.shape[1]),
+            _ptr(rows, _i64p), _I64(rows.shape[0]), _ptr(logits), _I64(max(0, int(num_threads))))
         return logits
-
 
     def _check(self, ids, pos, tables, rows) -> None:
         # C trusts every index it is given; a bad one would read or write outside the buffers.

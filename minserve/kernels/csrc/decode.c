@@ -7,6 +7,10 @@
  * plain C: matrix-vector products are split over the OpenMP threads (the same libgomp PyTorch
  * uses, so the two share one thread pool), everything else runs in the calling thread.
  *
+ * The caller picks the team size per step (nthreads): a region ends only when its slowest thread
+ * does, so on a core that another process shares, a smaller team is faster
+ * (minserve/engine/threads.py measures which).
+ *
  * Layout contracts (checked on the Python side, minserve/kernels/decode.py):
  * - weights are row-major [out_features, in_features] fp32, q/k/v and gate/up fused as in llama.py;
  * - the KV cache of a layer is [num_blocks, block_size, kv_heads, head_dim], addressed through
@@ -15,6 +19,7 @@
  *   the sign of rotate_half folded into the sin table).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -110,27 +115,39 @@ dot_rows(const float *restrict W, int64_t in, int64_t r0, int64_t r1, const floa
 
 /* y[B, out] = x[B, in] @ W.T (+ bias), or y += that when accumulate (the residual add for free).
  * Threads split the output rows; a row tile is re-read from cache for every group of 8 inputs,
- * so DRAM sees each weight once per step whatever the batch. */
-void ms_matmul(const float *W, const float *bias, const float *x, float *y, int64_t B, int64_t in,
-               int64_t out, int accumulate) {
-    int64_t tiles = (out + ROW_TILE - 1) / ROW_TILE;
-    #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        int64_t r0 = t * ROW_TILE, r1 = r0 + ROW_TILE < out ? r0 + ROW_TILE : out;
-        for (int64_t b = 0; b < B; b += MAX_BATCH_PASS) {
-            int64_t nb = B - b < MAX_BATCH_PASS ? B - b : MAX_BATCH_PASS;
-            const float *xb = x + b * in;
-            float *yb = y + b * out;
-            switch (nb) {   /* a constant nb per case: the loop over inputs unrolls into registers */
+ * so DRAM sees each weight once per step whatever the batch. Returns the team size that ran it. */
+static int64_t matmul(const float *W, const float *bias, const float *x, float *y, int64_t B,
+                      int64_t in, int64_t out, int accumulate, int nthreads) {
+    int64_t tiles = (out + ROW_TILE - 1) / ROW_TILE, team = 1;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        #pragma omp master
+        team = omp_get_num_threads();
+        #pragma omp for schedule(static) nowait   /* the region's end is the one barrier */
+        for (int64_t t = 0; t < tiles; t++) {
+            int64_t r0 = t * ROW_TILE, r1 = r0 + ROW_TILE < out ? r0 + ROW_TILE : out;
+            for (int64_t b = 0; b < B; b += MAX_BATCH_PASS) {
+                int64_t nb = B - b < MAX_BATCH_PASS ? B - b : MAX_BATCH_PASS;
+                const float *xb = x + b * in;
+                float *yb = y + b * out;
+                switch (nb) {   /* a constant nb per case: the loop over inputs unrolls into registers */
 #define CASE(n) case n: dot_rows(W, in, r0, r1, xb, in, yb, out, n, accumulate); break;
-            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+                CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
+                }
+                if (bias)   /* after the dot products: a residual row gets its bias too */
+                    for (int64_t k = 0; k < nb; k++)
+                        for (int64_t r = r0; r < r1; r++) yb[k * out + r] += bias[r];
             }
-            if (bias)   /* after the dot products: a residual row gets its bias too */
-                for (int64_t k = 0; k < nb; k++)
-                    for (int64_t r = r0; r < r1; r++) yb[k * out + r] += bias[r];
         }
     }
+    return team;
+}
+
+/* ms_matmul with the caller's OpenMP default team (PyTorch's thread count). Exported for the tests. */
+void ms_matmul(const float *W, const float *bias, const float *x, float *y, int64_t B, int64_t in,
+               int64_t out, int accumulate) {
+    matmul(W, bias, x, y, B, in, out, accumulate, omp_get_max_threads());
 }
 
 /* out = x / sqrt(mean(x^2) + eps) * w, per row (the mean of squares accumulated in fp32). */
@@ -202,7 +219,8 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
 
 /* RoPE on q and k, the new k/v written to their slots, then every (sequence, head) attends. */
 static void attention_block(const ModelPtrs *m, const LayerPtrs *L, const Scratch *s, int64_t B,
-                            const int64_t *positions, const int64_t *tables, int64_t table_stride) {
+                            const int64_t *positions, const int64_t *tables, int64_t table_stride,
+                            int nthreads) {
     int64_t H = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim, bs = m->block_size;
     int64_t qkv_dim = (H + 2 * Hkv) * D;
     for (int64_t b = 0; b < B; b++) {
@@ -213,7 +231,7 @@ static void attention_block(const ModelPtrs *m, const LayerPtrs *L, const Scratc
         memcpy(L->k_cache + slot * Hkv * D, row + H * D, Hkv * D * sizeof(float));
         memcpy(L->v_cache + slot * Hkv * D, row + (H + Hkv) * D, Hkv * D * sizeof(float));
     }
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t bh = 0; bh < B * H; bh++) {
         int64_t b = bh / H, h = bh % H;
         attend(s->qkv + b * qkv_dim + h * D, L->k_cache, L->v_cache, tables + b * table_stride,
@@ -236,25 +254,28 @@ static void silu_mul(const float *gate_up, float *out, int64_t B, int64_t inter)
     }
 }
 
-/* One decode token for each of B sequences: embeddings in, logits of the given rows out. */
-void ms_decode_step(const ModelPtrs *m, const Scratch *s, int64_t B, const int64_t *token_ids,
-                    const int64_t *positions, const int64_t *tables, int64_t table_stride,
-                    const int64_t *logit_rows, int64_t n_logits, float *logits) {
+/* One decode token for each of B sequences: embeddings in, logits of the given rows out.
+ * nthreads: the OpenMP team size of every parallel region (<= 0: the caller's default, PyTorch's
+ * thread count). Returns the team size the regions ran with, so the caller can check it. */
+int64_t ms_decode_step(const ModelPtrs *m, const Scratch *s, int64_t B, const int64_t *token_ids,
+                       const int64_t *positions, const int64_t *tables, int64_t table_stride,
+                       const int64_t *logit_rows, int64_t n_logits, float *logits, int64_t nthreads) {
     int64_t E = m->hidden, H = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim;
     int64_t qkv_dim = (H + 2 * Hkv) * D, I = m->intermediate;
+    int nt = nthreads > 0 ? (int)nthreads : omp_get_max_threads();
     for (int64_t b = 0; b < B; b++) memcpy(s->h + b * E, m->embed + token_ids[b] * E, E * sizeof(float));
     for (int64_t l = 0; l < m->num_layers; l++) {
         const LayerPtrs *L = &m->layers[l];
         ms_rms_norm(s->h, L->input_norm, s->x, B, E, m->eps);
-        ms_matmul(L->qkv, L->qkv_bias, s->x, s->qkv, B, E, qkv_dim, 0);
-        attention_block(m, L, s, B, positions, tables, table_stride);
-        ms_matmul(L->o_proj, NULL, s->attn, s->h, B, H * D, E, 1);          /* h += o_proj(attn) */
+        matmul(L->qkv, L->qkv_bias, s->x, s->qkv, B, E, qkv_dim, 0, nt);
+        attention_block(m, L, s, B, positions, tables, table_stride, nt);
+        matmul(L->o_proj, NULL, s->attn, s->h, B, H * D, E, 1, nt);          /* h += o_proj(attn) */
         ms_rms_norm(s->h, L->post_norm, s->x, B, E, m->eps);
-        ms_matmul(L->gate_up, NULL, s->x, s->gate_up, B, E, 2 * I, 0);
+        matmul(L->gate_up, NULL, s->x, s->gate_up, B, E, 2 * I, 0, nt);
         silu_mul(s->gate_up, s->act, B, I);
-        ms_matmul(L->down, NULL, s->act, s->h, B, I, E, 1);                 /* h += down(act) */
+        matmul(L->down, NULL, s->act, s->h, B, I, E, 1, nt);                 /* h += down(act) */
     }
     for (int64_t r = 0; r < n_logits; r++)
         ms_rms_norm(s->h + logit_rows[r] * E, m->final_norm, s->x + r * E, 1, E, m->eps);
-    ms_matmul(m->lm_head, NULL, s->x, logits, n_logits, E, m->vocab, 0);
+    return matmul(m->lm_head, NULL, s->x, logits, n_logits, E, m->vocab, 0, nt);
 }
