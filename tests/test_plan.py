@@ -46,6 +46,10 @@ def test_a_model_directory_with_biases_and_a_tied_head(tmp_path):
     assert p.model == str(path)
     assert p.weight_bytes_per_step == eng.runner.weight_bytes() == p.weight_bytes
     assert p.weight_bytes == _unique_param_bytes(eng.runner.model)
+    # In bf16 too the tied head stays one table (it used to be cast into a second copy).
+    model = LLM(str(path), num_kv_blocks=8, device="cpu", dtype="bfloat16").llm_engine.runner.model
+    assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    assert _unique_param_bytes(model) == plan(str(path), hardware="l4", precision="bf16").weight_bytes
 
 
 def test_max_num_seqs_is_what_the_block_pool_admits():

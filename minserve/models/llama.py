@@ -70,7 +70,10 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList([self._layer(cfg, w, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(weights["model.norm.weight"], cfg.rms_norm_eps)
         if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = Linear(self.embed_tokens.weight.data)  # same storage, not a copy
+            self.lm_head = Linear(self.embed_tokens.weight.data)
+            # The same Parameter object, not just the same storage: .to(dtype) converts each
+            # Parameter once, so a bf16 model keeps one table instead of two.
+            self.lm_head.weight = self.embed_tokens.weight
         else:
             self.lm_head = Linear(weights["lm_head.weight"])
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
