@@ -78,10 +78,21 @@ class StaticBatcher:
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id, prompt, params=None, arrival_time: float | None = None,
                     **kwargs) -> None:
-        """Hold the request at the gate; its arrival (wall clock, as the engine expects) is now."""
+        """Hold the request at the gate; its arrival (wall clock, as the engine expects) is now.
+        The engine's own input checks run here, so a request the engine would refuse raises
+        ValueError to the caller now rather than later, inside a step."""
+        from minserve.engine.inputs import check_cache_salt, check_params, prompt_ids
+        eng, rid = self._engine, str(request_id)
+        if rid in eng.requests or any(h[0] == rid for h in self.held):
+            raise ValueError(f"request_id {rid!r} is already in use")
+        check_cache_salt(kwargs.get("cache_salt"))
+        if params is not None:
+            check_params(params, eng.model_config.vocab_size, eng.eos_token_ids)
+        _, ids = prompt_ids(prompt, eng.tokenizer, eng.model_config.vocab_size)
+        eng._check_prompt_fits(len(ids))
         if arrival_time is None:
             arrival_time = time.perf_counter() + self._engine.output_processor.clock_offset_s
-        self.held.append((str(request_id), prompt, params, {**kwargs, "arrival_time": arrival_time}))
+        self.held.append((rid, prompt, params, {**kwargs, "arrival_time": arrival_time}))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.held) or self._engine.has_unfinished_requests()

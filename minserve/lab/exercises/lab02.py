@@ -82,17 +82,18 @@ def q2_empty_seats(static_run, continuous_run, seats: int, outputs) -> NumberChe
 
 # ---- the knee ---------------------------------------------------------------------------------
 
+KNEE_EFFICIENCY = 0.9  # achieved / offered below this: the engine no longer keeps up
+
+
 def knee_rule(table) -> tuple[float, float]:
     """The knee of a load sweep (:func:`~minserve.lab.capacity.load_table`), by the lab's rule:
-    the lowest offered load at which the p90 queue time exceeds the median E2E latency at the
-    lightest load (one request in ten then waits longer in the queue than a whole request took at
-    light load: its latency at least doubled). Returns ``(previous load, knee load)``; the previous
-    load is 0 when the lightest load already crossed, and the knee NaN when no load did."""
-    loads = sorted(table.index)
-    limit = float(table.loc[loads[0], "median E2E (ms)"])
+    the lowest offered load of which the engine achieved less than 90 % (achieved requests per
+    second over the run, against offered). Below it, extra load comes out as extra throughput;
+    from there on, part of it stays behind as queue. Returns ``(previous load, knee load)``; the
+    previous load is 0 when the lightest load already fell short, and the knee NaN when none did."""
     prev = 0.0
-    for load in loads:
-        if float(table.loc[load, "p90 queue (ms)"]) > limit:
+    for load in sorted(table.index):
+        if float(table.loc[load, "achieved req/s"]) < KNEE_EFFICIENCY * float(load):
             return prev, float(load)
         prev = float(load)
     return prev, math.nan
@@ -100,8 +101,9 @@ def knee_rule(table) -> tuple[float, float]:
 
 class KneeCheck(Check):
     """The learner's knee (an offered load) against :func:`knee_rule`: the rule first holds at the
-    knee point and did not at the point before, so any value in between is consistent with this
-    run's data, plus ``slack`` for reading a value off the axis."""
+    knee point and did not at the point before, so any value above the point before and up to the
+    knee point is consistent with this run's data, plus ``slack`` (relative) above the knee point
+    for reading a value off the axis."""
 
     def __init__(self, name: str, table, *, slack: float = 0.05, unit: str = "req/s",
                  mistakes: list[Mistake] | None = None, **kw):
@@ -111,15 +113,15 @@ class KneeCheck(Check):
     def compare(self, answer, expected) -> tuple[bool, str]:
         prev, knee = expected
         if math.isnan(knee):
-            return False, ("this run's sweep never crossed the rule (no load made the p90 queue time "
-                           "exceed the light-load E2E): rerun the sweep with higher rates.")
+            return False, ("this run's sweep never reached the knee (the engine achieved at least 90 % "
+                           "of every load offered): rerun the sweep with higher rates.")
         if isinstance(answer, bool) or not isinstance(answer, numbers.Number) or not math.isfinite(float(answer)):
             return False, f"the answer should be an offered load in {self.unit}, got {answer!r}."
         a = float(answer)
-        lo, hi = prev * (1 - self.slack), knee * (1 + self.slack)
-        why = (f"the rule first holds at {_fmt(knee)} {self.unit} and did not at {_fmt(prev)} "
+        lo, hi = prev, knee * (1 + self.slack)
+        why = (f"the engine first fell short at {_fmt(knee)} {self.unit} and kept up at {_fmt(prev)} "
                f"{self.unit}, so the knee lies between them; the sweep cannot place it more "
-               f"precisely, and {self.slack:.0%} is allowed for reading the axis")
+               f"precisely, and {self.slack:.0%} above the knee point is allowed for reading the axis")
         if lo < a <= hi:
             return True, f"{_fmt(a)} {self.unit} is at the knee ({why})."
         for m in self.mistakes:
@@ -137,43 +139,47 @@ def q3_knee(table) -> KneeCheck:
     prev, knee = knee_rule(table)
     return KneeCheck(
         "Exercise 3", table,
-        hint="on the queue-time plot, find the first offered load whose p90 queue time (the upper "
-             "line) is above the dashed line, the median E2E latency at the lightest load. Answer "
-             "with that point's offered load (the x axis).",
-        solution='light = table.index.min()\n'
-                 'limit = table.loc[light, "median E2E (ms)"]\n'
-                 'answer = table.index[table["p90 queue (ms)"] > limit].min()',
+        hint="on the throughput plot, find the first point below the dashed line (90 % of the "
+             "offered load) and answer with its offered load, on the x axis.",
+        solution='short = table["achieved req/s"] < 0.9 * table.index\n'
+                 'answer = table.index[short].min()',
         namespace=lambda: {"table": table},
-        mistakes=[
+        mistakes=[  # the point before the knee first: it can also be close to the plateau
+            Mistake("at that load the engine still achieved 90 % of what was offered or more: it is "
+                    "the last load it kept up with, just before the knee.",
+                    test=lambda a: prev > 0 and abs(a - prev) <= 0.05 * prev),
             Mistake("that is the most the engine achieved (the plateau on the y axis of the "
                     "throughput plot); the knee is named by the offered load on the x axis.",
                     test=lambda a: abs(a - best) <= 0.05 * best and not (prev < a <= knee * 1.05)),
             Mistake("that is the heaviest load of the sweep, far past the knee: the knee is the "
                     "*first* load at which queueing takes over.",
                     test=lambda a: abs(a - top) <= 0.05 * top and top > knee * 1.05),
-            Mistake("at that load the rule did not hold yet: the p90 queue time was still below the "
-                    "light-load E2E. That is the last load the engine absorbed.",
-                    test=lambda a: prev > 0 and abs(a - prev) <= 0.05 * prev),
         ])
 
 
 # ---- past the knee ----------------------------------------------------------------------------
 
-def latency_growth(knee_requests, heavy_requests):
-    """Mean queue, prefill and decode time (s) per request at the knee and at the heaviest load,
-    and how much each grew."""
+PARTS = {"queue": "queue_s", "prefill": "prefill_s", "decode": "decode_s"}
+
+
+def latency_shares(light_requests, heavy_requests):
+    """Per part of a request's life (queue, prefill, decode): its mean in seconds and its share of
+    the mean E2E, at the lightest and the heaviest load, and how much the share grew. Shares do
+    not move when the whole machine slows down for a while, which the seconds do."""
     import pandas as pd
-    cols = {"queue": "queue_s", "prefill": "prefill_s", "decode": "decode_s"}
-    at_knee = {k: float(knee_requests[c].mean()) for k, c in cols.items()}
-    heavy = {k: float(heavy_requests[c].mean()) for k, c in cols.items()}
-    return pd.DataFrame({"at the knee (s)": at_knee, "heaviest load (s)": heavy,
-                         "growth (s)": {k: heavy[k] - at_knee[k] for k in cols}})
+    rows = {}
+    for part, col in PARTS.items():
+        lo, hi = float(light_requests[col].mean()), float(heavy_requests[col].mean())
+        lo_e2e, hi_e2e = float(light_requests.e2e_s.mean()), float(heavy_requests.e2e_s.mean())
+        rows[part] = {"lightest (s)": lo, "heaviest (s)": hi, "share at lightest": lo / lo_e2e,
+                      "share at heaviest": hi / hi_e2e, "share growth": hi / hi_e2e - lo / lo_e2e}
+    return pd.DataFrame(rows).T
 
 
-def q4_where_it_goes(knee_requests, heavy_requests, seats: int) -> ChoiceCheck:
-    """Which part of a request's life grew most, on average, from the knee to the heaviest load."""
+def q4_where_it_goes(light_requests, heavy_requests, seats: int) -> ChoiceCheck:
+    """Which part of a request's life took a larger share of its E2E at the heaviest load."""
     def expected():
-        return latency_growth(knee_requests, heavy_requests)["growth (s)"].idxmax()
+        return latency_shares(light_requests, heavy_requests)["share growth"].idxmax()
     return ChoiceCheck(
         "Exercise 4", expected,
         options={
@@ -181,14 +187,16 @@ def q4_where_it_goes(knee_requests, heavy_requests, seats: int) -> ChoiceCheck:
                      f"{seats} seats are taken, so each extra request waits behind every request "
                      "ahead of it: more offered load only makes the line longer.",
             "prefill": "prefill time depends on the prompt, the same at every load, and on the "
-                       "decodes sharing its step, at most one per other seat. Compare its row "
-                       "with the queue row.",
-            "decode": "decode time depends on how many requests share each step. At both loads "
-                      f"the {seats} seats are full, so a decode step costs about the same. Compare "
-                      "its row with the queue row.",
+                       "decodes sharing its step, at most one per other seat. Compare its share "
+                       "with the queue's.",
+            "decode": "decode time depends on how many requests share each step, and the batch "
+                      f"cannot grow past the {seats} seats however much load waits outside. "
+                      "Compare its share with the queue's.",
         },
-        hint="in the table above, which of the three rows grew by the most seconds?",
-        solution='cols = ["queue_s", "prefill_s", "decode_s"]\n'
-                 'growth = heavy[cols].mean() - at_knee[cols].mean()\n'
+        hint="in the table above, which part's share of the E2E latency grew from the lightest "
+             "load to the heaviest?",
+        solution='parts = ["queue_s", "prefill_s", "decode_s"]\n'
+                 'share = lambda r: r[parts].mean() / r.e2e_s.mean()\n'
+                 'growth = share(heavy) - share(light)\n'
                  'answer = growth.idxmax().removesuffix("_s")',
-        namespace=lambda: {"at_knee": knee_requests, "heavy": heavy_requests})
+        namespace=lambda: {"light": light_requests, "heavy": heavy_requests})
