@@ -40,8 +40,9 @@ __all__ = [
     "run_sweep", "run_workload", "scenario_requests", "text_of_length",
 ]
 
-# Labs 02 and 03: static vs continuous batching, load sweeps, KV-cache pressure (minserve/lab/capacity.py).
-from minserve.lab.capacity import (StaticBatcher, extra_steps, kv_allocation, load_table, mixed_requests,  # noqa: E402
-                                   pressure_table, run_mixed, run_static, running_over_time, seat_use, steps_taken)
-__all__ += ["StaticBatcher", "extra_steps", "kv_allocation", "load_table", "mixed_requests", "pressure_table",
-            "run_mixed", "run_static", "running_over_time", "seat_use", "steps_taken"]
+# Labs 02 and 03: static vs continuous batching, load sweeps, KV-cache pressure (lab/capacity.py).
+from minserve.lab.capacity import (StaticBatcher, extra_steps, kv_allocation, load_table,  # noqa: E402
+                                   mixed_requests, pressure_table, run_mixed, run_static,
+                                   running_over_time, seat_use, steps_taken)
+__all__ += ["StaticBatcher", "extra_steps", "kv_allocation", "load_table", "mixed_requests",
+            "pressure_table", "run_mixed", "run_static", "running_over_time", "seat_use", "steps_taken"]

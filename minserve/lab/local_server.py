@@ -29,8 +29,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Any
-
 _by_engine: dict[int, "LocalServer"] = {}
 _lock = threading.Lock()
 
@@ -153,7 +151,7 @@ class LocalServer:
         v = self.engine.metrics.registry.get_sample_value(name, labels)
         return 0.0 if v is None else float(v)
 
-    def admission_counts(self) -> "Any":
+    def admission_counts(self) -> "pandas.DataFrame":
         """Admitted and shed requests so far, by priority class and reason (a DataFrame)."""
         import pandas as pd
         from minserve.server.admission import PRIORITY_CLASSES, REJECT_REASONS

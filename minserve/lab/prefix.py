@@ -97,13 +97,15 @@ def prefix_experiment(preset=None, *, num_requests: int = 8, request_rate: float
 def cache_report(run) -> dict[str, float]:
     """The run's prefix-cache use from the engine's step records: ``queries`` (prompt tokens looked
     up), ``hits`` (tokens served from the cache, i.e. prefill skipped), ``hit_rate`` (hits /
-    queries), ``computed`` (prompt tokens actually prefilled), ``requests_with_hits`` (requests
-    whose ``cached_tokens`` > 0) and ``requests``."""
+    queries), ``computed`` (queries - hits: prompt tokens that had to be prefilled; the steps'
+    ``num_prefill_tokens`` can differ by a token per request, since a final one-token chunk is
+    counted with the decodes, and by any recompute after a preemption), ``requests_with_hits``
+    (requests whose ``cached_tokens`` > 0) and ``requests``."""
     run.require_engine("cache_report")
     st, rq = run.steps, run.requests
     queries = float(st.prefix_cache_queries.sum())
     hits = float(st.prefix_cache_hits.sum())
     return {"queries": queries, "hits": hits,
             "hit_rate": hits / queries if queries else math.nan,
-            "computed": float(st.num_prefill_tokens.sum()),
+            "computed": queries - hits,
             "requests_with_hits": int((rq.cached_tokens > 0).sum()), "requests": int(len(rq))}

@@ -246,7 +246,8 @@ def plot_groups(df, a: str, b: str, test: TestResult | None = None, ax=None, tit
 
 
 def timing_attack(llm, sent: Sequence[str], unsent: Sequence[str], *, victim_salt: str | None = None,
-                  attacker_salt: str | None = None, victim_suffix: str = "\n\nSummarize the risks in two sentences.",
+                  attacker_salt: str | None = None,
+                  victim_suffix: str = "\n\nSummarize the risks in two sentences.",
                   probe_suffix: str = "\nTL;DR:", seed: int = 0, live: bool = True):
     """The experiment of the lab, in two phases on ``llm``:
 

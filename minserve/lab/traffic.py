@@ -159,7 +159,8 @@ class TrafficResult:
     def __repr__(self) -> str:
         c = self.requests.outcome.value_counts().to_dict()
         parts = ", ".join(f"{n} {o}" for o, n in c.items())
-        return f"TrafficResult({self.name!r}: {len(self.requests)} requests: {parts}; {self.duration_s:.1f} s)"
+        return (f"TrafficResult({self.name!r}: {len(self.requests)} requests: {parts}; "
+                f"{self.duration_s:.1f} s)")
 
 
 # ---- sending ----------------------------------------------------------------------------------
@@ -254,10 +255,10 @@ async def _main(base_url, calls_, model, patience_s, records, pollers, metrics_a
                 max_concurrency=None):
     import httpx
 
-    from minserve.bench.client import fetch_model_id
     from minserve.bench.server_metrics import MetricsPoller
 
-    model_id = model or await fetch_model_id(base_url)
+    key = next((c.api_key for c in calls_ if c.api_key), None) or metrics_api_key
+    model_id = model or await _first_model(base_url, key)
     url = f"{base_url}/v1/completions"
     # No connection limit: a pool cap would queue requests in the client and hide the server's
     # own queueing (and its refusals) behind it.
@@ -294,6 +295,19 @@ async def _main(base_url, calls_, model, patience_s, records, pollers, metrics_a
     return out, poller.frame(), model_id
 
 
+async def _first_model(base_url: str, api_key: str | None) -> str:
+    """The first model ``/v1/models`` lists, asked with ``api_key`` (a server with keys wants one)
+    or, without it, as the bench client asks (``$OPENAI_API_KEY``)."""
+    import httpx
+
+    from minserve.bench.client import auth_headers
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else auth_headers()
+    async with httpx.AsyncClient(timeout=30, headers=headers) as client:
+        r = await client.get(f"{base_url}/v1/models")
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+
+
 def offer(base_url: str, calls_: Sequence[Call], *, name: str = "traffic", slo: SLO | None = None,
           patience_s: float | None = None, max_concurrency: int | None = None,
           model: str | None = None, live: bool = True, interval_s: float | None = None,
@@ -302,7 +316,8 @@ def offer(base_url: str, calls_: Sequence[Call], *, name: str = "traffic", slo: 
     ``/v1/completions``); returns a :class:`TrafficResult`. ``slo``: drawn on the live figure
     (and kept in ``settings``). ``patience_s``: a client gives up on a request not finished by
     then. ``max_concurrency``: at most this many requests in flight (the client waits for a free
-    slot, as the bench client does; None: no limit). ``live``: the figure and progress line update while it runs (the final frame stays).
+    slot, as the bench client does; None: no limit). ``live``: the figure and progress line
+    update while it runs (the final frame stays).
     ``metrics_api_key``: sent with the ``/metrics`` polls (a server with keys needs an admin key).
     """
     import pandas as pd
@@ -378,7 +393,7 @@ class LiveTraffic:
         self.enabled = enabled and in_notebook()
         self.frames = self.enabled and not is_ci()
         self._fig = self._fig_handle = self._bar_handle = None
-        self._t0 = self._last = 0.0
+        self._t0 = self._last = self._gap_s = 0.0
 
     def start(self) -> None:
         self._t0 = self._last = time.perf_counter()
@@ -397,13 +412,16 @@ class LiveTraffic:
             return
         self._bar_handle.update(self._bar(len(records)))
         now = time.perf_counter()
-        if self.frames and now - self._last >= self.interval_s:
+        # A frame is drawn in this process, where the server and its engine run too: keep frames
+        # at least 8 drawing times apart, so the live view takes at most ~1/8 of the CPU.
+        if self.frames and now - self._last >= max(self.interval_s, self._gap_s):
             df = _frame(list(records))
             st = {"t_s": [s["t"] for s in samples],
                   "num_running": [s["num_requests_running"] for s in samples],
                   "num_waiting": [s["num_requests_waiting"] for s in samples]}
             self._draw(df, st, f"{self.title} (running...)")
             self._last = time.perf_counter()
+            self._gap_s = 8 * (self._last - now)
 
     def _figure(self):
         from minserve.lab.live import new_figure
@@ -450,25 +468,25 @@ def draw_traffic(fig, df, state, slo: SLO | None, title: str) -> None:
             ax1.scatter(part.send_s, part.ttft_s * 1000, s=14, marker=markers[k], label=str(lab))
     if slo is not None and slo.ttft_ms is not None:
         ax1.axhline(slo.ttft_ms, color="tab:red", ls="--", lw=1, label="TTFT objective")
-    if len(ok) and (ok.ttft_s > 0).any():
-        ax1.set_yscale("log")
+    ax1.set_ylim(bottom=0)
     ax1.set_xlabel("sent at (s)")
-    ax1.set_ylabel("TTFT (ms, log scale)")
+    ax1.set_ylabel("TTFT (ms)")
     ax1.set_title("TTFT of answered requests")
-    if labels or slo is not None:
+    if ax1.get_legend_handles_labels()[0]:
         ax1.legend(loc="upper left", fontsize=8)
     ys = {lab: k for k, lab in enumerate(labels)}
     for outcome in OUTCOMES:
         part = df[df.outcome == outcome]
         if len(part):
-            ax2.scatter(part.send_s, [ys[x] for x in part.label], s=22, marker="|" if outcome == "ok" else "x",
-                        color=OUTCOME_COLORS[outcome], label=f"{outcome} ({len(part)})")
+            ax2.scatter(part.send_s, [ys[x] for x in part.label], s=22,
+                        marker="|" if outcome == "ok" else "x", color=OUTCOME_COLORS[outcome],
+                        label=f"{outcome} ({len(part)})")
     ax2.set_yticks(range(len(labels)))
     ax2.set_yticklabels([str(x) for x in labels])
     ax2.set_ylim(-0.6, max(len(labels), 1) - 0.4)
     ax2.set_xlabel("sent at (s)")
     ax2.set_title("what each request got")
-    if len(df):
+    if ax2.get_legend_handles_labels()[0]:
         ax2.legend(loc="upper right", fontsize=8)
     t = np.asarray(state["t_s"], float)
     if len(t):
@@ -500,7 +518,7 @@ def experiment(preset=None, *, base_url: str, num_requests: int = 16, request_ra
     preset = preset or get_preset()
     tok = _tokenizer(preset.model)
     reqs = make_requests(tok, prompt_tokens, output_tokens, num_requests, seed=seed)
-    rate = "all at once" if math.isinf(request_rate) else f"{request_rate:g} req/s"
+    rate = "all at once" if math.isinf(request_rate) else f"{request_rate:.3g} req/s"
     label = name or f"{num_requests} requests at {rate}"
     cs = calls(reqs, request_rate=request_rate, seed=seed, label=priority_class or "requests",
                priority_class=priority_class, deadline_ms=deadline_ms)

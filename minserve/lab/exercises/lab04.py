@@ -110,7 +110,6 @@ def q3_hit_rate(run) -> NumberCheck:
 
 def guess_table(probes, candidates) -> "object":
     """One row per candidate: its probe's TTFT (ms) and cached tokens."""
-    import pandas as pd
     df = probes.copy()
     df["candidate"] = list(candidates)
     df["TTFT (ms)"] = df.ttft_s * 1000

@@ -31,7 +31,7 @@ def q1_goodput(table, rate) -> NumberCheck:
         tolerance_why="the table rounds to two decimals",
         hint="goodput = requests that met the SLO (both TTFT and TPOT) / the run's duration. The "
              "table has the count of good requests and the duration.",
-        solution=f"row = sweep.loc[{rate!r}]\n"
+        solution=f"row = sweep.loc[{float(rate)!r}]\n"
                  'answer = row["good"] / row["duration (s)"]',
         namespace=lambda: {"sweep": table},
         explanation="Past the knee the server stays busy (throughput holds) while a growing share "

@@ -1,0 +1,450 @@
+"""Labs 04 (prefix caching) and 07 (overload and goodput): every check passes on the right answer,
+fails on a wrong one and names the typical mistake; under CI the reference solution agrees with
+the measurement. Plus the toolkit pieces those labs add: the two-sample tests, probes and the timing
+attack (sidechannel.py), shared-prefix workloads (prefix.py), the in-notebook server
+(local_server.py) and traffic with headers (traffic.py). Fast: synthetic frames and tiny-llama."""
+
+import math
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import pandas as pd
+import pytest
+
+from minserve.lab import checks
+from minserve.lab import prefix as px
+from minserve.lab import sidechannel as sc
+from minserve.lab import traffic as tr
+from minserve.lab.exercises import lab04, lab07
+from minserve.lab.local_server import LocalServer, serve
+from minserve.lab.presets import CI_ENV
+from minserve.server import AdmissionConfig, ClassLimits
+
+
+@pytest.fixture(autouse=True)
+def not_ci(monkeypatch):
+    monkeypatch.delenv(CI_ENV, raising=False)
+
+
+def verified_under_ci(check, monkeypatch):
+    monkeypatch.setenv(CI_ENV, "1")
+    v = check.evaluate(None)
+    monkeypatch.delenv(CI_ENV)
+    return v.status == checks.VERIFIED
+
+
+# ---- two-sample tests ------------------------------------------------------------------------
+
+def test_u_statistic_counts_pairs_with_ties_as_halves():
+    assert sc.u_statistic([1, 2, 3], [4, 5, 6]) == 0
+    assert sc.u_statistic([4, 5, 6], [1, 2, 3]) == 9
+    # x > y: 1 > 0.5, 2 > 0.5 (twice), 3 > 2, 3 > 0.5 -> 5 pairs; 2 == 2 twice -> 2 halves
+    assert sc.u_statistic([1, 2, 2, 3], [2, 4, 0.5]) == 5 + 0.5 * 2
+    a, b = [3.0, 1.0, 2.0], [2.5, 0.5]
+    assert sc.u_statistic(a, b) + sc.u_statistic(b, a) == len(a) * len(b)
+
+
+def test_mann_whitney_matches_the_normal_approximation_by_hand():
+    a, b = list(range(1, 9)), list(range(9, 17))          # every a below every b: U = 0
+    r = sc.mann_whitney(a, b)
+    mu, var = 32.0, 8 * 8 * 17 / 12
+    z = (mu - 0.5) / math.sqrt(var)
+    assert r.statistic == 0
+    assert r.p_value == pytest.approx(math.erfc(z / math.sqrt(2)), rel=1e-12)
+    assert r.p_value == pytest.approx(9.4e-4, rel=0.02)
+    assert sc.mann_whitney(a, b, alternative="less").p_value < 1e-3
+    assert sc.mann_whitney(a, b, alternative="greater").p_value > 0.99
+    assert sc.mann_whitney([1, 1, 1], [1, 1, 1]).p_value == 1.0  # all tied: no evidence
+
+
+@pytest.mark.parametrize("method", ["permutation", "mann-whitney"])
+def test_two_sample_test_detects_a_clear_shift(method):
+    rng = np.random.default_rng(1)
+    hit, miss = rng.normal(100, 10, 10), rng.normal(300, 30, 10)
+    r = sc.two_sample_test(hit, miss, alpha=0.01, method=method)
+    assert r.significant and r.p_value < 0.01
+    assert r.effect < -150 and "significant at alpha = 0.01" in str(r)
+
+
+@pytest.mark.parametrize("method", ["permutation", "mann-whitney"])
+def test_two_sample_test_keeps_its_level_on_identical_distributions(method):
+    """Same distribution for both samples: a significant result is a false alarm, which must
+    happen in about alpha of the runs (here 200 seeded runs at alpha = 0.05: 10 expected; the
+    bound 20 is ~3 standard deviations of a binomial(200, 0.05) above)."""
+    alarms = 0
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        x, y = rng.normal(0, 1, 10), rng.normal(0, 1, 10)
+        kw = {"n_resamples": 999, "seed": seed} if method == "permutation" else {}
+        alarms += sc.two_sample_test(x, y, alpha=0.05, method=method, **kw).significant
+    assert alarms <= 20, alarms
+    rng = np.random.default_rng(7)
+    quiet = sc.two_sample_test(rng.normal(0, 1, 8), rng.normal(0, 1, 8), alpha=0.01, method=method)
+    assert not quiet.significant and "not significant" in str(quiet)
+
+
+def test_permutation_test_is_seeded_and_never_zero():
+    a, b = [1.0, 2, 3, 4, 5], [10.0, 11, 12, 13, 14]
+    r1, r2 = sc.permutation_test(a, b, seed=3), sc.permutation_test(a, b, seed=3)
+    assert r1.p_value == r2.p_value >= 1 / 10_000
+    assert sc.permutation_test(a, b, statistic="median").statistic == -9
+    assert sc.permutation_test(a, b, alternative="greater").p_value > 0.9
+
+
+def test_two_sample_test_rejects_bad_input():
+    with pytest.raises(ValueError, match="at least 2"):
+        sc.mann_whitney([1.0], [2.0, 3.0])
+    with pytest.raises(ValueError, match="alternative"):
+        sc.permutation_test([1, 2], [3, 4], alternative="bigger")
+    with pytest.raises(ValueError, match="alpha"):
+        sc.two_sample_test([1, 2], [3, 4], alpha=1.5)
+    with pytest.raises(ValueError, match="method"):
+        sc.two_sample_test([1, 2], [3, 4], method="t-test")
+
+
+# ---- probes and the timing attack on a tiny engine ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny():
+    from minserve import LLM
+    return LLM("tiny-llama", max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=256)
+
+
+def memo(i: int) -> str:
+    return f"Memo {i:03d}: " + " ".join(f"item{i}-{k}" for k in range(40))
+
+
+def test_timing_attack_hits_only_without_salts(tiny):
+    sent, unsent = [memo(i) for i in range(3)], [memo(i) for i in range(10, 13)]
+    _, probes = sc.timing_attack(tiny, sent, unsent, seed=0, live=False)
+    assert sorted(probes.group.unique()) == sorted([sc.SENT, sc.UNSENT])
+    assert (probes[probes.group == sc.SENT].cached_tokens > 0).all()
+    assert (probes[probes.group == sc.UNSENT].cached_tokens == 0).all()
+    assert (probes.ttft_s > 0).all() and list(probes.order) == list(range(6))
+    # Same memos, a salt per tenant: the attacker finds nothing of the victim's.
+    _, salted = sc.timing_attack(tiny, sent, unsent, victim_salt="v", attacker_salt="a", seed=0,
+                                 live=False)
+    assert salted.cached_tokens.sum() == 0
+    assert not tiny.llm_engine.has_unfinished_requests()
+
+
+def test_probe_refuses_a_busy_engine(tiny):
+    from minserve import SamplingParams
+    eng = tiny.llm_engine
+    eng.add_request("busy", "hello there", SamplingParams(max_tokens=2))
+    try:
+        with pytest.raises(RuntimeError, match="alone"):
+            sc.probe(tiny, [sc.Probe("x")], live=False)
+    finally:
+        eng.abort_request(["busy"])
+
+
+# ---- shared-prefix workloads --------------------------------------------------------------------
+
+def test_shared_prefix_requests_share_the_same_tokens_up_to_the_seam(tiny):
+    tok = tiny.get_tokenizer()
+    reqs, shared = px.shared_prefix_requests(tok, 5, 96, 4, 64, "Policy:\n", seed=3)
+    ids = [tok(r.prompt).input_ids for r in reqs]
+    n_shared = len(tok(shared).input_ids)
+    assert all(len(i) == 96 for i in ids)
+    assert min(px.common_prefix_tokens(i, ids[0]) for i in ids[1:]) >= n_shared
+    unique, none = px.shared_prefix_requests(tok, 3, 64, 4, 0, seed=3)
+    assert none == "" and len({r.prompt for r in unique}) == 3
+    with pytest.raises(ValueError, match="shared_tokens"):
+        px.shared_prefix_requests(tok, 2, 64, 4, 64)
+
+
+def test_prefix_experiment_reports_what_the_counters_say():
+    from minserve.lab.presets import Preset
+    from minserve.lab.session import engine_for, release_engine
+    preset = Preset("quick", model="tiny-llama", device="cpu",
+                    engine_args=dict(max_num_seqs=8, max_num_batched_tokens=128, num_kv_blocks=128))
+    try:
+        llm = engine_for(preset, enable_prefix_caching=True, warm_up=False)
+        before = px.cache_counters(llm)
+        run = px.prefix_experiment(preset, num_requests=4, prompt_tokens=96, output_tokens=4,
+                                   shared_fraction=0.75, live=False, seed=5)
+        after = px.cache_counters(llm)
+        rep = px.cache_report(run)
+        assert rep["queries"] == after["queries"] - before["queries"] == 4 * 96
+        assert rep["hits"] == after["hits"] - before["hits"] == run.requests.cached_tokens.sum() > 0
+        assert rep["computed"] == rep["queries"] - rep["hits"]
+        assert rep["hit_rate"] == pytest.approx(rep["hits"] / rep["queries"])
+        # Admitted in the same step as the first (budget 128 > 96): the second one misses too.
+        assert rep["requests_with_hits"] == 2
+    finally:
+        release_engine()
+
+
+# ---- lab 04 checks ------------------------------------------------------------------------------
+
+def test_q1_cached_tokens(monkeypatch):
+    q = lab04.q1_cached_tokens(common_tokens=261, block_size=16, prompt_tokens=288, measured=256)
+    assert q.evaluate(256).ok
+    assert "whole blocks" in q.evaluate(261).message
+    assert "rounds up" in q.evaluate(272).message
+    assert "whole prompt" in q.evaluate(288).message
+    assert "finds them" in q.evaluate(0).message
+    assert "too high" in q.evaluate(300).message
+    assert verified_under_ci(q, monkeypatch)
+
+
+def fake_shared_run(cached=(0, 0, 224, 224, 224, 224), prompt=256):
+    reqs = pd.DataFrame({"request_id": [str(i) for i in range(len(cached))],
+                         "cached_tokens": list(cached), "prompt_tokens": prompt})
+    steps = pd.DataFrame({"prefix_cache_queries": [2 * prompt, (len(cached) - 2) * prompt],
+                          "prefix_cache_hits": [0, sum(cached)],
+                          "num_prefill_tokens": [2 * prompt, (len(cached) - 2) * prompt - sum(cached)]})
+    return SimpleNamespace(requests=reqs, steps=steps)
+
+
+def test_q2_tokens_saved(monkeypatch):
+    run = fake_shared_run()
+    q = lab04.q2_tokens_saved(run, per_request_hit=224)
+    assert q.evaluate(896).ok
+    assert "number of requests" in q.evaluate(4).message            # entries, not tokens
+    assert "queries counter" in q.evaluate(1536).message
+    v = q.evaluate(5 * 224)                                          # "only the first missed"
+    assert not v.ok and "same step as the first" in v.message
+    assert "very first one" in q.evaluate(6 * 224).message
+    assert verified_under_ci(q, monkeypatch)
+
+
+def test_q3_hit_rate(monkeypatch):
+    q = lab04.q3_hit_rate(fake_shared_run())
+    assert q.evaluate(896 / 1536).ok and q.evaluate(0.58).ok
+    assert "share of *requests*" in q.evaluate(4 / 6).message
+    assert "percentage" in q.evaluate(58.33).message
+    assert "inverse" in q.evaluate(1536 / 896).message
+    assert verified_under_ci(q, monkeypatch)
+
+
+def test_q4_which_memo(monkeypatch):
+    probes = pd.DataFrame({"ttft_s": [0.32, 0.36, 0.097, 0.33], "cached_tokens": [0, 0, 96, 0]})
+    guess = lab04.guess_table(probes, ["Heron", "Kestrel", "Osprey", "Plover"])
+    q = lab04.q4_which_memo(guess, "Osprey")
+    v = q.evaluate("osprey")
+    assert v.ok and "96 of its prompt tokens" in v.message
+    wrong = q.evaluate("Heron")
+    assert not wrong.ok and "nothing of it was cached" in wrong.message
+    assert "answer with one of" in q.evaluate("Falcon").message
+    assert verified_under_ci(q, monkeypatch)
+
+
+def test_q5_u_statistic_names_the_usual_slips(monkeypatch):
+    hit, miss = [74.0, 80.5, 90.0, 300.0], [300.0, 310.0, 290.0]
+    q = lab04.q5_u_statistic(hit, miss)
+
+    def right(a, b):
+        return sum(1.0 if x > y else 0.5 if x == y else 0.0 for x in a for y in b)
+
+    assert q.evaluate(right).ok
+    v = q.evaluate(lambda a, b: sum(1.0 if x < y else 0.5 if x == y else 0.0 for x in a for y in b))
+    assert not v.ok and "smaller" in v.message
+    v = q.evaluate(lambda a, b: sum(1.0 for x in a for y in b if x > y))
+    assert not v.ok and "ties are left out" in v.message
+    v = q.evaluate(lambda a, b: sum(1.0 for x in a for y in b if x >= y))
+    assert not v.ok and "one half, not one" in v.message
+    assert "should be a function" in q.evaluate(3).message
+    assert "raised ZeroDivisionError" in q.evaluate(lambda a, b: 1 / 0).message
+    assert verified_under_ci(q, monkeypatch)
+
+
+def test_q6_salted_decides_by_the_mechanism(monkeypatch):
+    salted = pd.DataFrame({"cached_tokens": [0] * 6, "group": [sc.SENT] * 3 + [sc.UNSENT] * 3})
+    quiet = sc.TestResult("permutation test (means)", 0.0, 0.6, 3, 3, 0.0, alpha=0.01)
+    q = lab04.q6_salted(salted, quiet)
+    assert q.evaluate("no leak").ok and "The test agrees" in q.evaluate("no leak").message
+    assert not q.evaluate("leak").ok
+    # A false alarm of the test does not turn the answer into "leak": no block was shared.
+    alarm = sc.TestResult("permutation test (means)", 0.0, 0.004, 3, 3, 0.0, alpha=0.01)
+    v = lab04.q6_salted(salted, alarm).evaluate("no leak")
+    assert v.ok and "1% of runs" in v.message
+    leaky = salted.assign(cached_tokens=[96, 96, 96, 0, 0, 0])
+    assert lab04.q6_salted(leaky, quiet).evaluate("leak").ok
+    assert verified_under_ci(q, monkeypatch)
+
+
+# ---- lab 07 checks ------------------------------------------------------------------------------
+
+def sweep_table(goodput=(2.17, 3.83, 4.45, 2.36), throughput=(2.17, 3.83, 5.47, 3.41)):
+    rates = [2.62, 5.25, 10.49, 20.98]
+    dur = [1.85, 2.09, 2.92, 3.81]
+    good = [round(g * d) for g, d in zip(goodput, dur)]
+    answered = [round(t * d) for t, d in zip(throughput, dur)]
+    return pd.DataFrame({"throughput (req/s)": [a / d for a, d in zip(answered, dur)],
+                         "goodput (req/s)": [g / d for g, d in zip(good, dur)],
+                         "answered": answered, "good": good, "duration (s)": dur},
+                        index=pd.Index(rates, name="offered (req/s)"))
+
+
+def test_q1_goodput(monkeypatch):
+    t = sweep_table()
+    q = lab07.q1_goodput(t, 20.98)
+    g, thr = t.loc[20.98, "goodput (req/s)"], t.loc[20.98, "throughput (req/s)"]
+    assert q.evaluate(round(g, 2)).ok
+    assert "raw throughput" in q.evaluate(thr).message
+    assert "offered load" in q.evaluate(20.98).message
+    assert "divide by the run's duration" in q.evaluate(int(t.loc[20.98, "good"])).message
+    assert "share of answers" in q.evaluate(t.loc[20.98, "good"] / t.loc[20.98, "answered"]).message
+    assert verified_under_ci(q, monkeypatch)
+    # The solution names the row by a plain float (numpy 2 would print np.float64(...)).
+    assert "np.float64" not in lab07.q1_goodput(t, np.float64(20.98)).solution_code
+
+
+def test_q2_knee(monkeypatch):
+    t = sweep_table()
+    q = lab07.q2_knee(t)
+    assert q.evaluate(10.49).ok
+    assert "not one of the offered loads" in q.evaluate(7.0).message
+    assert "past its peak" in q.evaluate(20.98).message
+    assert "before its peak" in q.evaluate(2.62).message
+    assert "should be one of the offered loads" in q.evaluate("10").message
+    assert verified_under_ci(q, monkeypatch)
+    # Throughput's peak somewhere goodput is not: the message says why that is not the knee.
+    t2 = sweep_table(goodput=(2.0, 4.0, 3.0, 1.0), throughput=(2.0, 4.0, 5.0, 5.5))
+    v = lab07.q2_knee(t2).evaluate(20.98)
+    assert not v.ok and "raw throughput is highest" in v.message
+    # A neighbour within 10 % of the best goodput is accepted, and told so.
+    t3 = sweep_table(goodput=(2.0, 4.3, 4.45, 1.0))
+    v = lab07.q2_knee(t3).evaluate(5.25)
+    assert v.ok and "within 10%" in v.message
+
+
+def test_q3_deadline_prediction(monkeypatch):
+    P, N, p, d = 32, 8, 2.29e-3, 49.2e-3
+    q = lab07.q3_deadline_prediction(P, N, p, d, P * p + N * d)
+    assert q.evaluate(1000 * (P * p + N * d)).ok
+    assert "prefill alone" in q.evaluate(1000 * P * p).message
+    assert "decode alone" in q.evaluate(1000 * N * d).message
+    assert "one decode step short" in q.evaluate(1000 * (P * p + (N - 1) * d)).message
+    assert "unit mix-up" in q.evaluate(P * p + N * d).message    # seconds
+    assert verified_under_ci(q, monkeypatch)
+
+
+def test_q4_shed_class(monkeypatch):
+    counts = pd.DataFrame({"ok": [7, 4], "shed": [13, 0]}, index=pd.Index(["batch", "interactive"]))
+    q = lab07.q4_shed_class(counts)
+    assert q.evaluate("batch").ok and "13 batch requests got 429" in q.evaluate("batch").message
+    assert not q.evaluate("interactive").ok and not q.evaluate("both").ok
+    assert verified_under_ci(q, monkeypatch)
+    none_shed = pd.DataFrame({"ok": [20, 4]}, index=pd.Index(["batch", "interactive"]))
+    assert lab07.q4_shed_class(none_shed).evaluate("neither").ok
+
+
+# ---- the server in the notebook, and traffic with headers ---------------------------------------
+
+@pytest.fixture(scope="module")
+def seats2():
+    from minserve import LLM
+    return LLM("tiny-llama", max_num_seqs=2, max_num_batched_tokens=128, num_kv_blocks=128)
+
+
+def slow_steps(llm, seconds: float):
+    """Make each engine step take at least ``seconds`` so queues form on any machine."""
+    import time
+    runner = llm.llm_engine.runner
+    real = runner.execute
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    runner.execute = slow
+    return lambda: setattr(runner, "execute", real)
+
+
+def test_local_server_serves_stops_and_serves_again(seats2):
+    srv = serve(seats2, admission=AdmissionConfig())
+    try:
+        assert srv.running and "serving at" in repr(srv)
+        assert httpx.get(srv.base_url + "/health").status_code == 200
+        r = httpx.post(srv.base_url + "/v1/completions", timeout=30,
+                       json={"model": srv.model_name, "prompt": "hello", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert srv.admission_counts().loc["interactive", "admitted"] == 1
+        # A second server on the same engine replaces the first (its admission series too).
+        srv2 = serve(seats2, admission=AdmissionConfig(interactive=ClassLimits(max_queued_requests=1)))
+        assert not srv.running and srv2.running and srv2.base_url != srv.base_url
+        assert srv2.admission.config.interactive.max_queued_requests == 1
+        srv2.stop()
+        srv2.stop()  # idempotent
+    finally:
+        srv.stop()
+    # The engine is the notebook's again.
+    from minserve import SamplingParams
+    out = seats2.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    with LocalServer(seats2) as s3:
+        assert httpx.get(s3.base_url + "/health").status_code == 200
+    assert not s3.running
+
+
+def test_offer_records_what_each_request_got(seats2):
+    restore = slow_steps(seats2, 0.02)
+    try:
+        reqs = [SimpleNamespace(prompt=f"request number {i} " * 4, prompt_len=20, expected_output_len=6,
+                                request_id=str(i), scenario="") for i in range(8)]
+        bounded = AdmissionConfig(interactive=ClassLimits(max_queued_requests=1),
+                                  batch=ClassLimits(max_queued_requests=1))
+        with serve(seats2, admission=bounded) as srv:
+            calls = tr.calls(reqs, label="burst", priority_class="batch")
+            res = tr.offer(srv.base_url, calls, slo=tr.SLO(ttft_ms=60_000), live=False)
+            counts = srv.admission_counts()
+        df = res.requests
+        assert set(df.outcome) == {"ok", "shed"}
+        shed = df[df.outcome == "shed"]
+        assert (shed.status == 429).all() and (shed.retry_after_s >= 1).all()
+        assert (shed.error_code == "queue_full_requests").all()
+        ok = df[df.outcome == "ok"]
+        assert (ok.output_tokens == 6).all() and (ok.ttft_s > 0).all() and ok.tpot_s.notna().all()
+        assert counts.loc["batch", "shed: queue_full_requests"] == len(shed)
+        g = res.goodput(tr.SLO(ttft_ms=60_000))
+        assert g["good"] == g["answered"] == len(ok) and g["shed"] == len(shed)
+        assert g["goodput_rps"] == pytest.approx(len(ok) / res.duration_s)
+        assert res.counts().loc["burst", "shed"] == len(shed)
+        assert tr.SLO(ttft_ms=0.001).met(df).sum() == 0
+
+        # Deadlines: a model that believes steps are free admits everything; the queued ones
+        # expire (504 deadline_exceeded as a stream error event), the first ones finish.
+        optimist = AdmissionConfig(prior_prefill_s_per_token=1e-9, prior_decode_s_per_step=1e-9,
+                                   ewma_alpha=1e-9)
+        with serve(seats2, admission=optimist) as srv:
+            late = tr.offer(srv.base_url, tr.calls(reqs, deadline_ms=150), live=False)
+        out = late.requests
+        assert "expired" in set(out.outcome) and "ok" in set(out.outcome)
+        assert (out[out.outcome == "expired"].error_code == "deadline_exceeded").all()
+        assert (out[out.outcome == "expired"].status == 504).all()
+
+        # Impatient clients give up; the server aborts their requests and frees the seats.
+        with serve(seats2, admission=AdmissionConfig()) as srv:
+            gone = tr.offer(srv.base_url, tr.calls(reqs), patience_s=0.15, live=False)
+        assert "gave up" in set(gone.requests.outcome)
+    finally:
+        restore()
+    assert not seats2.llm_engine.has_unfinished_requests()
+    pool = seats2.llm_engine.kv.pool
+    assert pool.num_free == pool.num_blocks
+
+
+def test_experiment_is_what_the_panel_calls(seats2, monkeypatch):
+    monkeypatch.setattr(tr, "_tokenizer", lambda model: seats2.get_tokenizer())
+    with serve(seats2) as srv:
+        res = tr.experiment(None, base_url=srv.base_url, num_requests=3, request_rate=math.inf,
+                            prompt_tokens=16, output_tokens=3, live=False)
+    assert len(res.requests) == 3 and (res.requests.outcome == "ok").all()
+    assert list(res.percentiles().columns) == ["p50", "p90", "p99", "answered"]
+
+
+def test_offer_sends_each_calls_api_key(seats2):
+    from minserve.server import Auth, Principal
+    auth = Auth({"sk-a": Principal("acme"), "sk-ops": Principal("ops", admin=True)})
+    with serve(seats2, auth=auth) as srv:
+        cs = [tr.Call("hello there", 2, api_key="sk-a", label="with key"),
+              tr.Call("hello there", 2, send_s=0.01, label="no key")]
+        res = tr.offer(srv.base_url, cs, live=False, metrics_api_key="sk-ops")
+    by = res.requests.set_index("label")
+    assert by.loc["with key", "outcome"] == "ok" and by.loc["with key", "output_tokens"] == 2
+    assert by.loc["no key", "status"] == 401 and by.loc["no key", "error_code"] == "invalid_api_key"
+    assert res.settings["model"] == "tiny-llama" and len(res.state) > 0
