@@ -97,7 +97,7 @@ class ThreadController:
                  clock: Callable[[], float] = time.perf_counter,
                  load_hint: Callable[[], float | None] | None = None,
                  window: int = 8, probe_steps: int = 3, margin: float = 0.05, jump: float = 1.5,
-                 budget: float = 0.02, min_interval_s: float = 4.0, max_interval_s: float = 60.0,
+                 budget: float = 0.01, min_interval_s: float = 10.0, max_interval_s: float = 60.0,
                  hint_period_s: float = 1.0) -> None:
         self.max_threads, self.enabled = max(1, int(max_threads)), enabled and max_threads > 1
         self.threads = self.max_threads           # the current choice
