@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LAB = os.environ.get("MINSERVE_BROWSER_LAB", "00_tour.ipynb")
+# A lab with a figure and a control panel (an ipywidget), and one of the quickest to run.
+LAB = os.environ.get("MINSERVE_BROWSER_LAB", "03_kv_cache_detective.ipynb")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # What the probe of this workplace found necessary: no sandbox as root, no GPU, and none of the
 # background connections a closed network refuses.

@@ -202,7 +202,8 @@ def new_figure(ncols: int, width: float = 13.0, height: float = 3.4):
     fig = Figure(figsize=(width, height), dpi=72)
     fig.subplots(1, ncols)
     # A fixed layout: a layout engine would re-solve on every frame.
-    fig.subplots_adjust(left=0.055, right=0.99, bottom=0.15, top=0.83, wspace=0.22)
+    # left and wspace leave room for log-scale tick labels ("2x10^2") beside the axis label.
+    fig.subplots_adjust(left=0.075, right=0.99, bottom=0.15, top=0.83, wspace=0.27)
     return fig
 
 
