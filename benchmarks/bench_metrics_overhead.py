@@ -17,10 +17,10 @@ from minserve import LLM, SamplingParams
 
 def mean_step_s(llm: LLM, prompts: list[list[int]]) -> float:
     eng = llm.llm_engine
-    first = len(eng.step_stats)
+    first = eng.num_steps
     llm.generate([{"prompt_token_ids": p} for p in prompts],
                  SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
-    steps = eng.step_stats[first:]
+    steps = [s for s in eng.step_stats if s.step >= first]
     return sum(s.step_time_s for s in steps) / len(steps)
 
 

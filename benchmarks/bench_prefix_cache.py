@@ -32,12 +32,13 @@ def run(model: str, caching: bool, system: list[int], suffixes: list[list[int]])
     # Warm-up on unrelated tokens of the same length, so the cold request measures prefill, not
     # first-call overheads (allocator growth, thread pools).
     llm.generate({"prompt_token_ids": list(range(100, 100 + len(system)))}, params, use_tqdm=False)
-    warmup_steps = len(llm.llm_engine.step_stats)
+    warmup_steps = llm.llm_engine.num_steps
     ttfts = []
     for s in suffixes:
         out = llm.generate({"prompt_token_ids": system + s}, params, use_tqdm=False)[0]
         ttfts.append(out.metrics.ttft_s)
-    steps = llm.llm_engine.steps_frame().iloc[warmup_steps:]
+    steps = llm.llm_engine.steps_frame()
+    steps = steps[steps.step >= warmup_steps]
     queried, hits = int(steps.prefix_cache_queries.sum()), int(steps.prefix_cache_hits.sum())
     return {"caching": caching, "ttft_cold_s": ttfts[0], "ttft_warm_median_s": statistics.median(ttfts[1:]),
             "prefill_tokens_computed": int(steps.num_prefill_tokens.sum()), "prefix_hit_tokens": hits,

@@ -197,3 +197,19 @@ def test_unchunked_explicit_max_model_len_over_the_budget_is_refused():
     with pytest.raises(ValueError, match=r"max_model_len=64.*max_num_batched_tokens=32"):
         LLMEngine.from_engine_args("tiny-llama", num_kv_blocks=16, enable_chunked_prefill=False,
                                    max_num_batched_tokens=32, max_model_len=64)
+
+
+def test_inprocess_bench_steps_are_this_runs_once_the_history_is_full():
+    """Step cursors are step indices: with a full, bounded history a list position would point
+    at the wrong steps (or past the end)."""
+    from minserve.bench.datasets import SampleRequest
+    from minserve.bench.inprocess import run_inprocess
+    llm = _engine(max_step_records=6)
+    llm.generate([{"prompt_token_ids": list(range(50, 80))}] * 3, GREEDY, use_tqdm=False)
+    eng = llm.llm_engine
+    before = eng.num_steps
+    assert len(eng.step_stats) == 6 < before  # the history is full
+    res = run_inprocess(eng, [SampleRequest("hello there", 2, 4, "a")], ignore_eos=True,
+                        disable_tqdm=True)
+    assert res.steps.step.tolist() == list(range(before, eng.num_steps))
+    assert res.steps.num_decode_tokens.sum() + res.steps.num_prefill_tokens.sum() == 2 + 3

@@ -114,7 +114,7 @@ def run_inprocess(engine, requests: list[SampleRequest], request_rate: float = m
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1 or None, got {max_concurrency}")
     run = _Run(engine, requests, opts)
-    first_step = len(engine.step_stats)
+    first_step = engine.num_steps  # a step index, not a list position: the history is bounded
     pbar = None
     if not opts.disable_tqdm:
         from tqdm import tqdm
@@ -141,6 +141,7 @@ def run_inprocess(engine, requests: list[SampleRequest], request_rate: float = m
 
 
 def _steps(engine, first_step: int, t0: float):
-    steps = engine.steps_frame().iloc[first_step:].reset_index(drop=True)
+    frame = engine.steps_frame()
+    steps = frame[frame.step >= first_step].reset_index(drop=True)
     steps["t_s"] = steps["start_s"] - (t0 - engine.start_s)
     return steps

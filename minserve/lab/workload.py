@@ -316,7 +316,7 @@ def _run_engine(engine, requests, settings, liverun, name) -> RunResult:
         raise RuntimeError("the engine still has unfinished requests; finish or abort them first "
                            "(a lab run must have the engine to itself to measure it)")
     t0 = time.perf_counter()
-    first_step = len(engine.step_stats)
+    first_step = engine.num_steps  # a step index, not a list position: the history is bounded
     observed = _Observed(engine, liverun, t0)
     liverun.start()
     try:
@@ -330,7 +330,8 @@ def _run_engine(engine, requests, settings, liverun, name) -> RunResult:
         raise
     duration = time.perf_counter() - t0
     shift = t0 - engine.start_s  # engine-relative seconds -> run-relative seconds
-    steps = engine.steps_frame().iloc[first_step:].reset_index(drop=True)
+    steps = engine.steps_frame()
+    steps = steps[steps.step >= first_step].reset_index(drop=True)
     steps["t_s"] = steps["start_s"] - shift
     steps["batch"] = steps["num_decode_tokens"] + steps["prefill_chunks"].map(len)
     frame, timelines = _engine_requests(engine, observed.ids, requests, shift, steps)
