@@ -2,7 +2,7 @@
 
 Backs the README's explanation of batch-1 decode speed with numbers from this machine:
 - one decode token (context ~300 tokens) through the PyTorch model (``fused_decode=False``),
-- the same step through the fused C kernel (minserve/kernels/decode.py, the default on CPU),
+- the same step through the fused C kernel (kernels/decode.py, the default on CPU),
 - the 121 weight matrix-vector products alone in PyTorch (the part the roofline counts), as GB/s,
 - the remainder of each path: the small per-layer operations (norms, RoPE, KV writes, attention,
   residuals) and, for PyTorch, the cost of dispatching ~35 of them per layer from Python;

@@ -3,6 +3,29 @@
 import logging as _logging
 import os as _os
 
+
+def _kernels_from_checkout() -> None:
+    """``minserve.kernels`` is the repository's top-level ``kernels/`` (pyproject.toml maps it).
+    A wheel or an editable install knows the mapping; a bare checkout on sys.path (a ``python``
+    started in the repository before any install) does not, so there it is loaded from
+    ``../kernels`` here, before anything imports it."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+    name = f"{__name__}.kernels"
+    if importlib.util.find_spec(name) is not None:
+        return
+    init = Path(__file__).resolve().parent.parent / "kernels" / "__init__.py"
+    if not init.is_file():
+        return
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
+_kernels_from_checkout()
+
 from minserve.config import EngineConfig
 from minserve.engine.llm import LLM
 from minserve.engine.llm_engine import LLMEngine, StepStats

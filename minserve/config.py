@@ -16,6 +16,8 @@ _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**1
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 # The KV pool of a CPU engine when neither num_kv_blocks nor kv_cache_memory is given.
 DEFAULT_CPU_KV_CACHE_MEMORY = "1GiB"
 
@@ -54,8 +56,11 @@ class EngineConfig:
     KV cache size, in order of precedence: ``num_kv_blocks`` if given; else ``kv_cache_memory``
     if given, as an absolute size on any device (a workshop gives each participant a fixed share
     of one GPU this way; vLLM's ``kv_cache_memory_bytes`` also overrides its utilization); else,
-    on CUDA, ``gpu_memory_utilization`` of the *free* device memory (a shared GPU must not be
-    grabbed whole, hence the low default), and on CPU ``DEFAULT_CPU_KV_CACHE_MEMORY``.
+    on CUDA, what is left of ``gpu_memory_utilization`` x the device memory *free at start-up*
+    once the weights and the largest step's activation peak are taken (a shared GPU must not be
+    grabbed whole, hence the low default; vLLM's share is of the *total*), and on CPU
+    ``DEFAULT_CPU_KV_CACHE_MEMORY``. On CUDA the pool is planned after the weights are placed and
+    a profiling step has run (engine/memory.py); explicit sizes must fit beside them.
     ``kv_cache_memory_bytes`` is the parsed size, or the CPU default when none was given.
     """
 
@@ -74,7 +79,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     disable_log_stats: bool = False  # vLLM's switch: no Prometheus metrics (timelines are kept)
     # minserve's own switch (vLLM has no CPU equivalent): run decode-only steps through the fused
-    # C kernel (minserve/kernels/decode.py). None = when it can (CPU, float32, a C compiler);
+    # C kernel (kernels/decode.py). None = when it can (CPU, float32, a C compiler);
     # True = always, failing loudly if it cannot build; False = never (the PyTorch path only).
     fused_decode: bool | None = None
     # minserve's own: how much history a long-running engine keeps for requests_frame() and
@@ -86,6 +91,10 @@ class EngineConfig:
     # core taken by another process costs a share of the speed, not nearly all of it (OpenMP
     # threads otherwise wait at every barrier for a partner that is not running). engine/threads.py.
     adaptive_threads: bool = True
+    # vLLM's scheduling_policy: "fcfs" (first come, first served) or "priority" (lower
+    # Request.priority first; the lowest-priority running request is preempted first; a waiting
+    # request may preempt strictly lower-priority running ones). engine/scheduler.py.
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
@@ -111,6 +120,9 @@ class EngineConfig:
         _check_int("max_step_records", self.max_step_records, 1, 10_000_000)
         if not isinstance(self.adaptive_threads, bool):
             raise ValueError(f"adaptive_threads must be True or False, got {self.adaptive_threads!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.fused_decode not in (None, True, False):
             raise ValueError(f"fused_decode must be None (auto), True or False, got {self.fused_decode!r}")
 

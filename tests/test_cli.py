@@ -37,3 +37,52 @@ def test_every_serve_engine_flag_is_an_engine_argument():
     assert engine_kwargs(args) == {"gpu_memory_utilization": 0.5, "enable_chunked_prefill": False,
                                    "max_request_records": 7, "kv_cache_memory": "64MiB"}
     assert EngineConfig.from_kwargs("tiny-llama", **engine_kwargs(args)).max_request_records == 7
+
+
+def test_every_engine_config_field_has_a_serve_flag():
+    """serve's engine flags are derived from EngineConfig: each field but `model` (--model) has one,
+    typed from its annotation, and none is passed unless given."""
+    import argparse
+    from dataclasses import fields
+
+    from minserve.config import EngineConfig
+    from minserve.server.cli import ENGINE_ARGS, build_parser, engine_kwargs
+    parser = build_parser()
+    flags = {a.dest: a for a in parser._actions}
+    names = [f.name for f in fields(EngineConfig) if f.name != "model"]
+    assert list(ENGINE_ARGS) == names
+    for name in names:
+        assert "--" + name.replace("_", "-") in flags[name].option_strings, name
+        assert flags[name].default is None and flags[name].help, name
+    assert isinstance(flags["adaptive_threads"], argparse.BooleanOptionalAction)
+    assert flags["model"].default == EngineConfig.model
+    args = parser.parse_args(["--max-step-records", "9", "--no-adaptive-threads", "--disable-log-stats",
+                              "--dtype", "bfloat16", "--device", "cpu", "--block-size", "32"])
+    assert engine_kwargs(args) == {"max_step_records": 9, "adaptive_threads": False,
+                                   "disable_log_stats": True, "dtype": "bfloat16", "device": "cpu",
+                                   "block_size": 32}
+    config = EngineConfig.from_kwargs("tiny-llama", **engine_kwargs(args))
+    assert (config.max_step_records, config.adaptive_threads, config.block_size) == (9, False, 32)
+
+
+def test_a_new_engine_config_field_gets_its_flag(monkeypatch):
+    """Adding a field to EngineConfig is enough for `minserve serve` to accept it."""
+    from dataclasses import dataclass
+    from typing import Literal
+
+    import minserve.server.cli as serve_cli
+    from minserve.config import EngineConfig
+
+    @dataclass
+    class Extended(EngineConfig):
+        new_knob: int | None = None
+        new_switch: bool = False
+        new_mode: Literal["a", "b"] = "a"
+
+    monkeypatch.setattr(serve_cli, "EngineConfig", Extended)
+    args = serve_cli.build_parser().parse_args(["--new-knob", "3", "--new-switch", "--new-mode", "b"])
+    names = [a.dest for a in serve_cli.build_parser()._actions]
+    assert {"new_knob", "new_switch", "new_mode"} <= set(names)
+    assert serve_cli.engine_kwargs(args) == {"new_knob": 3, "new_switch": True, "new_mode": "b"}
+    flags = {a.dest: a for a in serve_cli.build_parser()._actions}
+    assert tuple(flags["new_mode"].choices) == ("a", "b") and flags["new_knob"].type is int

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from minserve.config import EngineConfig
+from minserve.engine.memory import DeviceMemory, check_kv_blocks_fit, device_kv_budget_bytes
 from minserve.models.registry import ModelConfig
 
 log = logging.getLogger("minserve")
@@ -45,31 +46,40 @@ class KVCacheSpec:
         return self.max_tokens * self.bytes_per_token
 
 
-def kv_budget_bytes(cfg: EngineConfig) -> int:
+def kv_budget_bytes(cfg: EngineConfig, memory: DeviceMemory | None = None) -> int:
     """Bytes for the KV pool (EngineConfig's precedence; ``num_kv_blocks`` is handled by the caller).
 
-    An explicit ``kv_cache_memory`` is absolute on every device, so workshop participants sharing
-    one GPU each take a fixed amount instead of a share of whatever the others left free."""
-    if not str(cfg.device).startswith("cuda"):
-        return cfg.kv_cache_memory_bytes
-    free_bytes, _ = torch.cuda.mem_get_info(torch.device(cfg.device))
-    if cfg.kv_cache_memory is None:
-        return int(free_bytes * cfg.gpu_memory_utilization)
-    if cfg.kv_cache_memory_bytes > free_bytes:
-        raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} ({cfg.kv_cache_memory_bytes} bytes) must be "
-                         f"<= the free memory of {cfg.device} ({free_bytes} bytes = "
-                         f"{free_bytes / 2**30:.2f} GiB); lower it or free the GPU")
-    return cfg.kv_cache_memory_bytes
+    On CPU: ``kv_cache_memory`` (1 GiB by default). On CUDA: :func:`device_kv_budget_bytes` of the
+    engine's measurement ``memory`` (taken after the weights are placed and the largest step has run;
+    see engine/memory.py). Planning for CUDA without one (outside an engine) counts no weights and
+    no activations, only what is free now. An explicit ``kv_cache_memory`` is absolute on every
+    device, so workshop participants sharing one GPU each take a fixed amount instead of a share of
+    whatever the others left free."""
+    if memory is None:
+        if not str(cfg.device).startswith("cuda"):
+            return cfg.kv_cache_memory_bytes
+        free, total = torch.cuda.mem_get_info(torch.device(cfg.device))
+        memory = DeviceMemory(free, total, free, 0, 0)
+    return device_kv_budget_bytes(cfg, memory)
 
 
-def plan_kv_cache(model: ModelConfig, cfg: EngineConfig) -> KVCacheSpec:
+def plan_kv_cache(model: ModelConfig, cfg: EngineConfig, memory: DeviceMemory | None = None) -> KVCacheSpec:
     """Decide the number of blocks from ``num_kv_blocks`` or a byte budget (``kv_budget_bytes``).
-    Whole blocks only: ``budget // (bytes_per_token * block_size)``; minserve.plan uses the same."""
+    Whole blocks only: ``budget // (bytes_per_token * block_size)``; minserve.plan uses the same.
+    ``memory``: the engine's device measurement on CUDA (None on CPU)."""
     per_token = model.kv_bytes_per_token(torch.empty((), dtype=cfg.torch_dtype).element_size())
+    if memory is not None:
+        log.info("device memory: %.2f GiB free at start of %.2f GiB; weights %.2f GiB, engine %.2f GiB in all, "
+                 "largest step (%d tokens) peaks %.2f GiB above the weights; %.2f GiB free now",
+                 *(b / 2**30 for b in (memory.free_at_start_bytes, memory.total_bytes, memory.weights_bytes,
+                                       memory.engine_bytes)), cfg.max_num_batched_tokens,
+                 memory.activation_peak_bytes / 2**30, memory.free_bytes / 2**30)
     if cfg.num_kv_blocks is not None:
         blocks = cfg.num_kv_blocks
+        if memory is not None:
+            check_kv_blocks_fit(cfg, memory, blocks * cfg.block_size * per_token)
     else:
-        blocks = kv_budget_bytes(cfg) // (per_token * cfg.block_size)
+        blocks = kv_budget_bytes(cfg, memory) // (per_token * cfg.block_size)
     if blocks < 1:
         raise ValueError(f"the KV cache budget holds no block of {cfg.block_size} tokens "
                          f"({per_token} bytes per token); raise kv_cache_memory or num_kv_blocks")

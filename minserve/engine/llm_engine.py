@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from minserve.config import EngineConfig
 from minserve.engine.kv_cache import KVCacheManager, plan_kv_cache
+from minserve.engine.memory import device_memory_reader
 from minserve.engine.model_runner import ModelRunner
 from minserve.engine.output_processor import OutputProcessor
 from minserve.engine.inputs import check_cache_salt, check_params, prompt_ids
@@ -59,9 +60,15 @@ class LLMEngine:
         self.model_config = loaded.config
         self.config_path = loaded.path  # the resolved local directory (a cache dir for aliases)
         self.tokenizer = loaded.tokenizer
-        self.kv_spec = plan_kv_cache(loaded.config, config)
-        self.max_model_len = self._resolve_max_model_len(loaded.config.max_position_embeddings)
-        self.runner = ModelRunner(loaded, config, self.kv_spec, self.max_model_len)
+        # Weights first, then the KV pool (vLLM's order). On CUDA the runner measures the device
+        # around placing the weights and running the largest step once, and the pool gets what is
+        # left of the budget (engine/memory.py); on CPU the pool is kv_cache_memory, as before.
+        model_max = loaded.config.max_position_embeddings
+        self.runner = ModelRunner(loaded, config, min(config.max_model_len or model_max, model_max),
+                                  device_memory_reader(config.device))
+        self.kv_spec = plan_kv_cache(loaded.config, config, self.runner.device_memory)
+        self.max_model_len = self._resolve_max_model_len(model_max)
+        self.runner.allocate_kv(self.kv_spec, self.max_model_len)
         self.model_fingerprint = model_fingerprint(loaded, config.dtype)
         self.kv = KVCacheManager(self.kv_spec, config.enable_prefix_caching, self.model_fingerprint)
         self.scheduler = Scheduler(config, self.kv)
@@ -118,6 +125,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_cache_salt(cache_salt)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer (lower is served first under "
+                             f"scheduling_policy='priority'), got {priority!r}")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")

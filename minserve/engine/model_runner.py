@@ -15,6 +15,7 @@ picks from measured decode steps: fewer threads when other processes take cores 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -23,13 +24,16 @@ import torch
 from minserve.attention import build_attention_metadata
 from minserve.config import EngineConfig
 from minserve.engine.kv_cache import KVCacheManager, KVCacheSpec, allocate_kv_tensors
+from minserve.engine.memory import DeviceMemory, DeviceMemoryReader, measure_device_memory, snapshot
 from minserve.engine.sampler import Sampler, SamplingBatch
 from minserve.engine.scheduler import SchedulerOutput
 from minserve.engine.threads import CpuLoadHint, ThreadController, adaptive_threads_enabled
 from minserve.kernels.build import KernelUnavailable
 from minserve.kernels.decode import FusedDecoder, unsupported_reason
+from minserve.models.layers import RotaryEmbedding
 from minserve.models.llama import LlamaForCausalLM
 from minserve.models.loader import LoadedModel
+from minserve.sampling_params import SamplingParams
 
 log = logging.getLogger("minserve")
 
@@ -42,20 +46,67 @@ class SampledToken:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, spec: KVCacheSpec, max_model_len: int):
+    """Built in two phases, so that on CUDA the KV pool is sized after the weights are on the device
+    and the largest step has run once (vLLM's order; engine/memory.py): ``ModelRunner(...)`` places
+    the weights and, given a memory ``reader``, profiles (``device_memory``); the engine plans the
+    pool from that, then :meth:`allocate_kv` allocates it. ``max_positions`` is an upper bound of
+    max_model_len (the rotary tables are cut to the final length in allocate_kv)."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, max_positions: int,
+                 reader: DeviceMemoryReader | None = None):
         self.device = torch.device(config.device)
-        self.model = LlamaForCausalLM(loaded.config, loaded.weights, max_model_len)
+        self.config = config
+        start = snapshot(reader) if reader is not None else None  # before any weight is placed
+        self.model = LlamaForCausalLM(loaded.config, loaded.weights, max_positions)
         self.model.to(device=self.device, dtype=config.torch_dtype)
         self.model.rotary.build_tables(self.device)  # fp32 tables whatever the model dtype
-        self.kv_caches = allocate_kv_tensors(loaded.config, spec, config.torch_dtype, config.device)
+        # Profiling hook (CUDA): the weights are placed; run the largest step once and measure.
+        self.device_memory: DeviceMemory | None = (
+            measure_device_memory(reader, start, self._profile_largest_step) if reader is not None else None)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # allocate_kv()
+        self.block_size, self.fused = config.block_size, None
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
-        self.block_size = spec.block_size
-        self.fused = _fused_decoder(self.model, self.kv_caches, config)
         # CPU only: a GPU step's host threads are not where its time goes.
         adaptive = adaptive_threads_enabled(config) and self.device.type == "cpu"
         self.threads = ThreadController(torch.get_num_threads(), enabled=adaptive,
                                         load_hint=CpuLoadHint() if adaptive else None)
+
+    def allocate_kv(self, spec: KVCacheSpec, max_model_len: int) -> None:
+        """Second phase: allocate the planned KV pool (and bind the fused decode step to it)."""
+        rotary = self.model.rotary
+        if max_model_len != rotary.cos.shape[0]:
+            cfg = self.model.config
+            self.model.rotary = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta, cfg.rope_scaling)
+            self.model.rotary.build_tables(self.device)
+        self.kv_caches = allocate_kv_tensors(self.model.config, spec, self.config.torch_dtype, self.config.device)
+        self.block_size = spec.block_size
+        self.fused = _fused_decoder(self.model, self.kv_caches, self.config)
+
+    def _profile_largest_step(self) -> None:
+        """The largest step the scheduler can build, run once for its memory peak: a full
+        ``max_num_batched_tokens`` spread over ``max_num_seqs`` fresh sequences (the widest batch:
+        most logits rows, the sampler's largest sort), then the same tokens as few sequences as
+        positions allow (the largest attention). K/V go to a scratch cache of one sequence's
+        blocks that every layer shares (what is written there is never read back)."""
+        cfg, mc = self.config, self.model.config
+        total, bs = cfg.max_num_batched_tokens, cfg.block_size
+        longest = self.model.rotary.cos.shape[0]  # no sequence is longer than the position tables
+        blocks = -(-min(total, longest) // bs)
+        scratch = tuple(torch.zeros((blocks, bs, mc.num_kv_heads, mc.head_dim), dtype=cfg.torch_dtype,
+                                    device=self.device) for _ in range(2))
+        sampler = Sampler(torch.Generator(device=self.device).manual_seed(0))  # not the engine's stream
+        params = SamplingParams(temperature=1.0, top_p=0.99, max_tokens=1)
+        fewest = -(-total // longest)
+        for n in sorted({max(min(cfg.max_num_seqs, total), fewest), fewest}, reverse=True):
+            lens = [total // n + (i < total % n) for i in range(n)]
+            ids = torch.zeros(total, dtype=torch.long, device=self.device)
+            pos = torch.cat([torch.arange(q, device=self.device) for q in lens])
+            rows = torch.tensor(list(itertools.accumulate(lens)), device=self.device) - 1
+            meta = build_attention_metadata(lens, [0] * n, [list(range(blocks))] * n, bs, self.device)
+            logits = self.model(ids, pos, [scratch] * mc.num_layers, meta, rows)
+            sampler(logits, SamplingBatch([params] * n, [None] * n, [[] for _ in range(n)]))
+            del logits
 
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> dict[str, SampledToken]:
         """Run the step; return the sampled token of every request whose step ends in a sample."""

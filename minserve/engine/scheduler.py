@@ -17,10 +17,28 @@ When the KV pool runs dry the newest running request is preempted: its blocks go
 and it returns to the front of the queue to be recomputed later (prompt plus what it has generated
 so far), the policy vLLM uses by default. The scheduler never runs the model: it only decides, so
 the same code can drive a simulated executor.
+
+``scheduling_policy="priority"`` (vLLM's name and meaning) changes three orders, and nothing else:
+- the waiting queue is kept sorted by ``(priority, arrival, request_id)``: a lower ``priority``
+  value runs first, ties go first come, first served. A preempted request goes back into that same
+  order (not to the front: a preempted batch request must not jump ahead of waiting interactive ones);
+- the KV victim is the running request with the largest ``(priority, arrival)``, the lowest
+  priority and the latest arrival among them, as in vLLM V1 (``max(running, key=...)``);
+- running requests take the step's budget in that order too (decodes, then prefill chunks), and
+  prefill chunks of running requests that rank below the head of the queue wait until the queue's
+  higher-priority requests were admitted: a long low-priority prompt cannot take the budget a
+  high-priority arrival needs.
+On top of vLLM V1, which only preempts when a *running* request needs blocks, a waiting request
+that finds no free seat (``max_num_seqs``) or no KV blocks preempts running requests of a strictly
+lower priority (a larger value), lowest first, as vLLM V0's priority policy did. Without it a high-
+priority request behind a full batch waits for a low-priority one to finish: its TTFT becomes the
+length of a whole batch answer. Equal priorities never preempt each other, so there is no churn
+within a class.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -65,11 +83,51 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def priority_key(req: Request) -> tuple:
+    """The order of ``scheduling_policy="priority"``: lower value first, then earlier arrival
+    (vLLM's ``Request.__lt__``: priority, arrival time, request id)."""
+    return (req.priority, req.arrival_s, req.request_id)
+
+
+class PriorityQueue:
+    """The waiting queue under ``"priority"``: a list kept sorted by :func:`priority_key`, with the
+    deque operations the scheduler uses. ``appendleft`` (a preempted request) inserts in order too.
+    A sorted list rather than a heap: it iterates in order (the metrics and the deadline model
+    read the queue front to back) and removal (abort) is one search."""
+
+    def __init__(self) -> None:
+        self._items: list[Request] = []
+
+    def append(self, req: Request) -> None:
+        bisect.insort(self._items, req, key=priority_key)
+
+    appendleft = append
+
+    def popleft(self) -> Request:
+        return self._items.pop(0)
+
+    def remove(self, req: Request) -> None:
+        self._items.remove(req)
+
+    def __getitem__(self, i: int) -> Request:
+        return self._items[i]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __contains__(self, req) -> bool:
+        return req in self._items
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager):
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.priority = config.scheduling_policy == "priority"
+        self.waiting: deque[Request] | PriorityQueue = PriorityQueue() if self.priority else deque()
         self.running: list[Request] = []      # in admission order: the last is the newest
         self.num_preemptions = 0
 
@@ -85,26 +143,45 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decodes = [r for r in self.running if not r.is_prefill]
         prefills = [r for r in self.running if r.is_prefill]
-        for req in decodes + prefills:
+        later: list[Request] = []
+        if self.priority:
+            # Running prefill chunks of a lower priority than the head of the queue come after
+            # its admission, or a long low-priority prompt would take the budget a high-priority
+            # arrival needs (its TTFT would grow by the whole prefill).
+            decodes.sort(key=priority_key)
+            prefills.sort(key=priority_key)
+            if self.waiting:
+                head = priority_key(self.waiting[0])
+                later = [r for r in prefills if priority_key(r) > head]
+                prefills = prefills[:len(prefills) - len(later)]
+        budget = self._schedule_running(decodes + prefills, out, budget)
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget, before=priority_key(later[0]) if later else None)
+        if later:
+            budget = self._schedule_running(later, out, budget)
+            if not out.preempted:
+                self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, reqs: list[Request], out: SchedulerOutput, budget: int) -> int:
+        for req in reqs:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+                continue  # preempted earlier in this step
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             fits = self._reserve(req, n, out)
             budget += self._unschedule_preempted(out)
             if fits:
                 out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
                 budget -= n
-        if not out.preempted:
-            self._admit_waiting(out, budget)
-        return out
+        return budget
 
     def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Find KV blocks for ``n`` more tokens of a running request, preempting the newest
         running requests until they fit. False if ``req`` itself had to be preempted."""
         while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
-            victim = self.running[-1]
+            victim = max(self.running, key=priority_key) if self.priority else self.running[-1]
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is req:
@@ -130,9 +207,23 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, before: tuple | None = None) -> int:
+        """Admit from the head of the queue while budget, seats and blocks last (under "priority",
+        only requests ordered ``before`` the given key). Returns the budget left."""
+        while self.waiting and budget > 0:
             req = self.waiting[0]
+            if before is not None and priority_key(req) >= before:
+                break
+            if len(self.running) >= self.config.max_num_seqs:
+                if not self.priority:
+                    break
+                victim = self._lower_priority_victim(req)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                out.preempted.append(victim)
+                budget += self._unschedule_preempted(out)
+                continue
             try:
                 cached = self.kv.find_cached_prefix(req)
             except Exception as e:  # this request's own data is bad: it must not block the queue
@@ -145,6 +236,9 @@ class Scheduler:
             if n < remaining and not self.config.enable_chunked_prefill:
                 break
             if not self.kv.allocate_slots(req.request_id, hit + n, cached):
+                if self.priority and self._make_room(req, hit + n, cached, out):
+                    budget = self.config.max_num_batched_tokens - sum(x.num_new_tokens for x in out.scheduled)
+                    continue  # victims freed blocks (and maybe budget): look at the head again
                 break  # wait for running requests to finish and free blocks
             self.waiting.popleft()
             if self.kv.enable_prefix_caching:
@@ -158,6 +252,37 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, hit))
             budget -= n
+        return budget
+
+    def _lower_priority_victim(self, req: Request) -> Request | None:
+        """Under "priority": the running request a waiting ``req`` may preempt, the lowest-priority,
+        latest one, if its priority is strictly lower than ``req``'s (a larger value)."""
+        if not self.running:
+            return None
+        victim = max(self.running, key=priority_key)
+        return victim if victim.priority > req.priority else None
+
+    def _make_room(self, req: Request, num_tokens: int, cached: list[int], out: SchedulerOutput) -> bool:
+        """Under "priority": preempt lower-priority running requests until the waiting ``req``'s
+        blocks fit. Only starts when all of them together would free enough (blocks held by them
+        alone), so no work is thrown away for nothing. True if anything was preempted."""
+        victims = sorted((r for r in self.running if r.priority > req.priority),
+                         key=priority_key, reverse=True)
+        ref = self.kv.pool.ref_count
+
+        def need() -> int:  # as allocate_slots counts: new blocks plus cached ones to revive
+            return (self.kv.blocks_needed(req.request_id, num_tokens) - len(cached)
+                    + sum(1 for b in cached if ref[b] == 0))
+        freeable = sum(1 for r in victims for b in self.kv.block_tables.get(r.request_id, ()) if ref[b] == 1)
+        if not victims or need() > self.kv.pool.num_free + freeable:
+            return False
+        for victim in victims:
+            self._preempt(victim)
+            out.preempted.append(victim)
+            self._unschedule_preempted(out)
+            if need() <= self.kv.pool.num_free:
+                break
+        return True
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Retire a request (stopped, length, aborted): its blocks return to the pool at once."""

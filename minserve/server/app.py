@@ -28,7 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from minserve.sampling_params import RequestOutputKind
-from minserve.server.admission import AdmissionConfig, AdmissionController, Ticket, classify
+from minserve.server.admission import (PRIORITY_CLASSES, AdmissionConfig, AdmissionController, Ticket,
+                                       classify)
 from minserve.server.async_engine import AsyncEngine, RequestFailed
 from minserve.server.auth import PRINCIPAL_SCOPE_KEY, Auth, AuthMiddleware, effective_salt
 from minserve.server.limits import BodyLimitMiddleware, RequestLimits
@@ -144,6 +145,22 @@ async def _prepare(st: ServerState, body, kind: str) -> Prepared:
                                       st.model_name, st.limits)
 
 
+# Under scheduling_policy="priority" the class decides first, the body's ``priority`` second:
+# engine priority = class rank x CLASS_STRIDE + body priority clamped to +-(CLASS_STRIDE / 2 - 1),
+# so every interactive request (rank 0) is served before every batch one (rank 1), whatever
+# ``priority`` a client sends, and within a class a lower ``priority`` goes first.
+CLASS_STRIDE = 1 << 32
+
+
+def engine_priority(engine, priority_class: str, priority: int) -> int:
+    """The ``priority`` the engine schedules by (see CLASS_STRIDE). Under "fcfs" the body's value
+    is passed on unchanged (the engine ignores it)."""
+    if getattr(engine.config, "scheduling_policy", "fcfs") != "priority":
+        return priority
+    half = CLASS_STRIDE // 2 - 1
+    return PRIORITY_CLASSES.index(priority_class) * CLASS_STRIDE + max(-half, min(half, priority))
+
+
 async def _serve(request: Request, body, kind: str):
     st: ServerState = request.app.state.minserve
     arrived = time.monotonic()  # deadlines count from here
@@ -169,7 +186,7 @@ async def _serve(request: Request, body, kind: str):
         # The tenant is always part of the cache key: no cross-tenant prefix hits, salt or not.
         salt = effective_salt(ticket.tenant, body.cache_salt)
         q = st.async_engine.submit(p.request_id, p.prompt_ids, p.params, cache_salt=salt,
-                                   priority=body.priority,
+                                   priority=engine_priority(st.engine, ticket.priority_class, body.priority),
                                    on_started=lambda: st.admission.mark_started(ticket),
                                    deadline_at=deadline_at,
                                    on_expired=lambda: st.admission.record_expired(ticket))

@@ -14,7 +14,11 @@ import asyncio
 import logging
 import os
 import sys
+import types
+import typing
+from dataclasses import MISSING, fields
 
+from minserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, SCHEDULING_POLICIES, EngineConfig
 from minserve.server.admission import AdmissionConfig, ClassLimits
 from minserve.server.limits import CHARS_PER_TOKEN_BOUND, RequestLimits
 
@@ -29,24 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
     ap.add_argument("--log-level", default="info")
-    eng = ap.add_argument_group("engine")
-    eng.add_argument("--max-num-seqs", type=int)
-    eng.add_argument("--max-num-batched-tokens", type=int)
-    eng.add_argument("--num-kv-blocks", type=int)
-    eng.add_argument("--kv-cache-memory", help="KV cache size, e.g. 512MiB (absolute, CPU and CUDA)")
-    eng.add_argument("--gpu-memory-utilization", type=float,
-                     help="on CUDA without --kv-cache-memory: share of free GPU memory for the KV cache")
-    eng.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
-    eng.add_argument("--max-model-len", type=int)
-    eng.add_argument("--block-size", type=int)
-    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    eng.add_argument("--seed", type=int)
-    eng.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    eng.add_argument("--device")
-    eng.add_argument("--fused-decode", action=argparse.BooleanOptionalAction, default=None,
-                     help="decode-only steps in the fused C kernel (default: whenever it can run)")
-    eng.add_argument("--max-request-records", type=int,
-                     help="finished requests kept for requests_frame() (default 10000; memory stays flat)")
+    add_engine_arguments(ap.add_argument_group("engine (EngineConfig; unset flags keep its defaults)"))
     adm = ap.add_argument_group("admission (per priority class; batch defaults to interactive's)")
     adm.add_argument("--max-queued-requests", type=int, default=256)
     adm.add_argument("--max-queued-tokens", type=int)
@@ -74,15 +61,66 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-ENGINE_ARGS = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory",
-               "gpu_memory_utilization", "enable_chunked_prefill",
-               "max_model_len", "block_size", "enable_prefix_caching", "seed", "dtype", "device",
-               "fused_decode", "max_request_records")
+# The engine flags are EngineConfig's fields (less ``model``, which is --model above), so a new engine
+# argument gets its flag by being added there. Help text for each lives here; choices come from a
+# Literal type or ENGINE_CHOICES; the default shown is always EngineConfig's own.
+ENGINE_ARGS = tuple(f.name for f in fields(EngineConfig) if f.name != "model")
+ENGINE_HELP = {
+    "max_num_seqs": "most sequences in one batch",
+    "max_num_batched_tokens": "token budget of one step (decodes + prefill chunks)",
+    "block_size": "tokens per KV cache block",
+    "num_kv_blocks": "KV cache size in blocks (overrides --kv-cache-memory and --gpu-memory-utilization)",
+    "kv_cache_memory": "KV cache size, e.g. 512MiB (absolute, CPU and CUDA; default on CPU: "
+                       f"{DEFAULT_CPU_KV_CACHE_MEMORY})",
+    "gpu_memory_utilization": "on CUDA without --kv-cache-memory: share of free GPU memory for the KV cache",
+    "max_model_len": "longest prompt + output (default: the model's context length)",
+    "enable_prefix_caching": "reuse the KV blocks of a shared prompt prefix",
+    "dtype": "weights and activations",
+    "device": "cpu or cuda[:N] (default: cuda when available)",
+    "seed": "engine seed for sampling without a per-request seed",
+    "enable_chunked_prefill": "split long prompts into chunks that share steps with decodes",
+    "disable_log_stats": "no Prometheus metrics (request timelines are still kept)",
+    "fused_decode": "decode-only steps in the fused C kernel (default: whenever it can run)",
+    "max_request_records": "finished requests kept for requests_frame() (memory stays flat)",
+    "max_step_records": "steps kept for steps_frame()",
+    "adaptive_threads": "on CPU, pick each decode step's thread count from measured step times",
+    "scheduling_policy": "fcfs, or priority: interactive before batch, then lower 'priority' first; "
+                         "lower-priority requests are preempted first",
+}
+ENGINE_CHOICES = {"dtype": ("float32", "bfloat16", "float16"), "scheduling_policy": SCHEDULING_POLICIES}
+
+
+def add_engine_arguments(group) -> None:
+    """One --flag per EngineConfig field, typed from its annotation. Every flag defaults to None
+    (not given), so engine_kwargs passes only what the user set."""
+    hints = typing.get_type_hints(EngineConfig)
+    for f in fields(EngineConfig):
+        if f.name == "model":
+            continue
+        hint = hints[f.name]
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)  # X | None, int | str
+        kinds = [t for t in (typing.get_args(hint) if union else (hint,)) if t is not type(None)]
+        default = f.default if f.default is not MISSING else None
+        help_text = ENGINE_HELP.get(f.name, f"EngineConfig.{f.name}")
+        if default is not None and "default" not in help_text:
+            help_text += f" (default: {default})"
+        kw: dict = {"default": None, "help": help_text.replace("%", "%%")}
+        if kinds == [bool]:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif len(kinds) == 1 and typing.get_origin(kinds[0]) is typing.Literal:
+            kw["choices"] = typing.get_args(kinds[0])
+        elif len(kinds) == 1 and kinds[0] in (int, float):
+            kw["type"] = kinds[0]
+        # else str, and unions such as kv_cache_memory's int | str: EngineConfig parses the string
+        if f.name in ENGINE_CHOICES:
+            kw["choices"] = ENGINE_CHOICES[f.name]
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kw)
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
     """Only the flags given, so EngineConfig's defaults stay the one source of defaults."""
-    return {k: getattr(a, k) for k in ENGINE_ARGS if getattr(a, k) is not None}
+    names = (f.name for f in fields(EngineConfig) if f.name != "model")
+    return {k: getattr(a, k) for k in names if getattr(a, k, None) is not None}
 
 
 def admission_config(a: argparse.Namespace) -> AdmissionConfig:

@@ -11,7 +11,7 @@
  * does, so on a core that another process shares, a smaller team is faster
  * (minserve/engine/threads.py measures which).
  *
- * Layout contracts (checked on the Python side, minserve/kernels/decode.py):
+ * Layout contracts (checked on the Python side, kernels/decode.py):
  * - weights are row-major [out_features, in_features] fp32, q/k/v and gate/up fused as in llama.py;
  * - the KV cache of a layer is [num_blocks, block_size, kv_heads, head_dim], addressed through
  *   per-sequence block tables (int64, [batch, table_stride]);

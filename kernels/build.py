@@ -1,8 +1,9 @@
 """Compile minserve's C kernels on first use and load them with ctypes.
 
-The C sources ship inside the package (``minserve/kernels/csrc``). The first process that needs a
-kernel compiles it with the machine's C compiler for *this* CPU (``-march=native``: AVX-512 where
-there is one) into ``$MINSERVE_CACHE/kernels``, under a name that hashes the source, the flags, the
+The C sources ship inside the package, beside this file (the repository's top-level ``kernels/``,
+installed and imported as ``minserve.kernels``: pyproject.toml maps it). The first process that
+needs a kernel compiles it with the machine's C compiler for *this* CPU (``-march=native``: AVX-512
+where there is one) into ``$MINSERVE_CACHE/kernels``, under a name that hashes the source, the flags, the
 compiler and the CPU, so an edited source or a different machine never picks up a stale binary.
 Compiling takes about half a second here (benchmarks/bench_decode_breakdown.py --cold); later
 processes only load the file.
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from minserve.models.loader import cache_dir
 
-SOURCE_DIR = Path(__file__).parent / "csrc"
+SOURCE_DIR = Path(__file__).resolve().parent  # <name>.c beside build.py, wherever the package is
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast",
          "-std=c11", "-shared", "-fPIC"]
 
@@ -65,7 +66,7 @@ def library_path(name: str) -> Path:
 
 
 def build(name: str) -> Path:
-    """Compile ``csrc/<name>.c`` unless this exact build is cached; return the library's path."""
+    """Compile ``<name>.c`` (beside this file) unless this exact build is cached; return its path."""
     out = library_path(name)
     if out.exists():
         return out

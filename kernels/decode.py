@@ -1,11 +1,11 @@
 """The fused CPU decode step: every layer of a decode-only batch in one call into C.
 
 :class:`FusedDecoder` binds a :class:`~minserve.models.llama.LlamaForCausalLM` and its paged KV
-cache to ``ms_decode_step`` in ``csrc/decode.c`` once (pointers to every weight and cache tensor),
-then runs each all-decode step with a single ctypes call instead of ~35 PyTorch operations per
-layer. It computes what ``LlamaForCausalLM.forward`` computes, in the same order of operations
-except for the summation order inside dot products, so greedy outputs stay token-exact against
-transformers (tests/test_fused_decode.py checks both paths against each other and the reference).
+cache to ``ms_decode_step`` in ``decode.c`` (beside this file) once (pointers to every weight and
+cache tensor), then runs each all-decode step with a single ctypes call instead of ~35 PyTorch
+operations per layer. It computes what ``LlamaForCausalLM.forward`` computes, in the same order of
+operations except for the summation order inside dot products, so greedy outputs stay token-exact
+against transformers (tests/test_fused_decode.py checks both paths against each other and the reference).
 
 Prefill chunks, speculative verification (several query tokens per sequence), half precision and
 GPUs keep using the PyTorch path: the kernel is the CPU answer to one question, the cost of many
