@@ -55,17 +55,11 @@ import pandas as pd
 from minserve import SamplingParams, lab
 from minserve.lab import prefix as px
 from minserve.lab import sidechannel as sc
+from minserve.workshop.doctor import format_checks, run_checks
 from minserve.lab.exercises import lab04 as ex
 
 P = lab.setup()
-try:
-    from minserve.workshop.doctor import quick_check  # the short checks of `minserve doctor`
-except ImportError:
-    quick_check = None
-if quick_check is not None:
-    quick_check()
-else:
-    lab.environment_summary()
+print(format_checks(run_checks(short=True), short=True))  # the short form of `minserve doctor`
 """)
 
 code("""

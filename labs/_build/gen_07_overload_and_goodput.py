@@ -52,18 +52,12 @@ from IPython.display import display
 
 from minserve import lab
 from minserve.lab import traffic as tr
+from minserve.workshop.doctor import format_checks, run_checks
 from minserve.lab.exercises import lab07 as ex
 from minserve.server import AdmissionConfig, ClassLimits
 
 P = lab.setup()
-try:
-    from minserve.workshop.doctor import quick_check  # the short checks of `minserve doctor`
-except ImportError:
-    quick_check = None
-if quick_check is not None:
-    quick_check()
-else:
-    lab.environment_summary()
+print(format_checks(run_checks(short=True), short=True))  # the short form of `minserve doctor`
 """)
 
 code("""
