@@ -7,7 +7,9 @@ written for minserve keeps working when it is pointed at vLLM.
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 from dataclasses import dataclass, fields
 
 import torch
@@ -20,6 +22,12 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 
 # The KV pool of a CPU engine when neither num_kv_blocks nor kv_cache_memory is given.
 DEFAULT_CPU_KV_CACHE_MEMORY = "1GiB"
+
+
+def cache_dir() -> Path:
+    """Where converted models, compiled kernels and machine probes live: ``$MINSERVE_CACHE``, else
+    ``~/.cache/minserve`` (read at each call, so a test or ``minserve prepare`` can redirect it)."""
+    return Path(os.environ.get("MINSERVE_CACHE", Path.home() / ".cache" / "minserve"))
 
 
 def parse_bytes(value: int | str, field: str = "kv_cache_memory") -> int:

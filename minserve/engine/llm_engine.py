@@ -13,7 +13,6 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from minserve.config import EngineConfig
 from minserve.engine.kv_cache import KVCacheManager, plan_kv_cache
@@ -24,32 +23,13 @@ from minserve.engine.inputs import check_cache_salt, check_params, prompt_ids
 from minserve.engine.request import Request, RequestRecord, RequestStatus
 from minserve.engine.sampler import make_generator
 from minserve.engine.scheduler import Scheduler, SchedulerOutput
+from minserve.engine.stats import StepStats
 from minserve.metrics import EngineMetrics, requests_frame, steps_frame
 from minserve.models.loader import LoadedModel, load_model
 from minserve.outputs import RequestOutput
 from minserve.sampling_params import SamplingParams
 
 log = logging.getLogger("minserve")
-
-
-@dataclass(slots=True)
-class StepStats:
-    step: int
-    start_s: float                # perf_counter seconds since engine start
-    step_time_s: float
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_running: int              # after the step
-    num_waiting: int
-    kv_cache_usage: float         # fraction of blocks in use after the step
-    num_preemptions: int          # in this step
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache in this step
-    prefix_cache_hits: int = 0     # of those, tokens found cached
-    # The step's prefill work, per request: (request_id, context_len, num_tokens) for every prompt
-    # chunk (or recompute after preemption) computed in it; the tokens sum to num_prefill_tokens.
-    # Decode tokens are not listed (a decode-only step keeps the shared empty tuple), so a long
-    # history stays small. Lab timelines draw chunk boundaries from it.
-    prefill_chunks: tuple = ()
 
 
 class LLMEngine:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Iterable
 if TYPE_CHECKING:
     import pandas as pd
 
-    from minserve.engine.llm_engine import StepStats
+    from minserve.engine.stats import StepStats
     from minserve.engine.request import Request, RequestRecord
 
 NAN = math.nan
@@ -105,7 +105,7 @@ def requests_frame(requests: Iterable[Request | RequestRecord], t0_s: float) -> 
 
 
 def _step_fields() -> list[str]:
-    from minserve.engine.llm_engine import StepStats
+    from minserve.engine.stats import StepStats
     return [f.name for f in dataclasses.fields(StepStats)]
 
 

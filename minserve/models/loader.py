@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from minserve.config import cache_dir  # noqa: F401  (also re-exported: older imports)
 from minserve.models.registry import MODEL_ALIASES, ModelConfig
 
 log = logging.getLogger("minserve")
@@ -35,8 +36,6 @@ class LoadedModel:
     tokenizer: object
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("MINSERVE_CACHE", Path.home() / ".cache" / "minserve"))
 
 
 def resolve_model_dir(name: str) -> Path:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from minserve.models.loader import cache_dir
+from minserve.config import cache_dir
 from minserve.plan.hardware import Hardware
 
 log = logging.getLogger("minserve")

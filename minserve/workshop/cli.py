@@ -24,7 +24,7 @@ def _prepare(argv: list[str]) -> int:
     print(format_table(("step", "status", "detail"), [(s.step, s.status, s.detail) for s in steps]))
     if any(s.status == "fail" for s in steps):
         return 1
-    from minserve.models.loader import cache_dir
+    from minserve.config import cache_dir
     from minserve.workshop.prepare import using_cache
     with using_cache(a.cache_dir):
         print(f"\nparticipants: export MINSERVE_CACHE={cache_dir()}  (their sessions only read it; "

@@ -89,7 +89,8 @@ def _writable(path) -> bool:
 
 
 def _model_cache(short: bool) -> Check:
-    from minserve.models.loader import _DONE, cache_dir
+    from minserve.config import cache_dir
+    from minserve.models.loader import _DONE
     from minserve.models.registry import MODEL_ALIASES
     root, spec = cache_dir(), MODEL_ALIASES["smollm2-135m"]
     prepared = (root / "smollm2-135m" / _DONE).exists()

@@ -95,7 +95,7 @@ def prepare(cache_dir: str | Path | None = None, models: tuple[str, ...] = DEFAU
     """Convert ``models``, build the decode kernel and measure this machine into ``cache_dir``
     (default: ``$MINSERVE_CACHE`` or ``~/.cache/minserve``). Returns one :class:`Step` per item."""
     with using_cache(cache_dir):
-        from minserve.models.loader import cache_dir as current
+        from minserve.config import cache_dir as current
         root = current()
         try:
             root.mkdir(parents=True, exist_ok=True)
