@@ -7,6 +7,11 @@
  * plain C: matrix-vector products are split over the OpenMP threads (the same libgomp PyTorch
  * uses, so the two share one thread pool), everything else runs in the calling thread.
  *
+ * A step is a batch of *rows*, one token each with its own position and block-table row: a decode
+ * step has one row per sequence, a speculative verification k + 1 rows of one sequence at
+ * consecutive positions sharing its table. Rows are independent everywhere except attention, where
+ * row j at position p reads keys 0..p of its table, its own sequence's earlier rows included.
+ *
  * The caller picks the team size per step (nthreads): a region ends only when its slowest thread
  * does, so on a core that another process shares, a smaller team is faster
  * (minserve/engine/threads.py measures which).
@@ -14,7 +19,7 @@
  * Layout contracts (checked on the Python side, kernels/decode.py):
  * - weights are row-major [out_features, in_features] fp32, q/k/v and gate/up fused as in llama.py;
  * - the KV cache of a layer is [num_blocks, block_size, kv_heads, head_dim], addressed through
- *   per-sequence block tables (int64, [batch, table_stride]);
+ *   one block table per query row (int64, [rows, table_stride]);
  * - RoPE uses the model's tables cos and sin_signed [max_positions, head_dim] (half-split layout,
  *   the sign of rotate_half folded into the sin table).
  */
@@ -46,9 +51,9 @@ typedef struct {
     const LayerPtrs *layers;
 } ModelPtrs;
 
-typedef struct {   /* caller-owned scratch, sized for the largest batch and context */
+typedef struct {   /* caller-owned scratch, sized for the most rows and the longest context */
     float *h, *x, *qkv, *attn, *gate_up, *act, *scores;
-    int64_t scores_stride;   /* floats per (sequence, head) row of scores: >= longest context */
+    int64_t scores_stride;   /* floats per (row, head) of scores: >= longest context */
 } Scratch;
 
 /* Sum of the 16 lanes as a tree of vector adds: a lane-by-lane loop would be a chain of 15
@@ -217,13 +222,17 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
     for (int64_t d = 0; d < D; d++) out[d] *= inv;
 }
 
-/* RoPE on q and k, the new k/v written to their slots, then every (sequence, head) attends. */
+/* RoPE on q and k, every row's new k/v written to its slot, then every (row, head) attends.
+ * Two phases on purpose: ALL rows' K/V of this layer are in the cache before ANY row attends, so
+ * row j of a sequence (position c + j) finds rows 0..j-1 of the same step among its keys 0..c+j,
+ * exactly as the PyTorch path writes the cache first and masks causally. (Writing inside the
+ * parallel loop would race: row j could read row j-1's slot before that row's thread wrote it.) */
 static void attention_block(const ModelPtrs *m, const LayerPtrs *L, const Scratch *s, int64_t B,
                             const int64_t *positions, const int64_t *tables, int64_t table_stride,
                             int nthreads) {
     int64_t H = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim, bs = m->block_size;
     int64_t qkv_dim = (H + 2 * Hkv) * D;
-    for (int64_t b = 0; b < B; b++) {
+    for (int64_t b = 0; b < B; b++) {   /* phase 1, serial: writes never race */
         float *row = s->qkv + b * qkv_dim;
         int64_t pos = positions[b];
         rope(row, H + Hkv, D, m->cos + pos * D, m->sin_signed + pos * D);  /* q and k heads adjoin */
@@ -231,7 +240,7 @@ static void attention_block(const ModelPtrs *m, const LayerPtrs *L, const Scratc
         memcpy(L->k_cache + slot * Hkv * D, row + H * D, Hkv * D * sizeof(float));
         memcpy(L->v_cache + slot * Hkv * D, row + (H + Hkv) * D, Hkv * D * sizeof(float));
     }
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    #pragma omp parallel for schedule(static) num_threads(nthreads)   /* phase 2: reads only */
     for (int64_t bh = 0; bh < B * H; bh++) {
         int64_t b = bh / H, h = bh % H;
         attend(s->qkv + b * qkv_dim + h * D, L->k_cache, L->v_cache, tables + b * table_stride,
@@ -254,7 +263,8 @@ static void silu_mul(const float *gate_up, float *out, int64_t B, int64_t inter)
     }
 }
 
-/* One decode token for each of B sequences: embeddings in, logits of the given rows out.
+/* One step over B rows (tokens; see the top of this file): embeddings in, logits of the given rows
+ * out. The scratch buffers hold at least B rows, and n_logits <= B (checked in kernels/decode.py).
  * nthreads: the OpenMP team size of every parallel region (<= 0: the caller's default, PyTorch's
  * thread count). Returns the team size the regions ran with, so the caller can check it. */
 int64_t ms_decode_step(const ModelPtrs *m, const Scratch *s, int64_t B, const int64_t *token_ids,

@@ -1,15 +1,21 @@
-"""The fused CPU decode step: every layer of a decode-only batch in one call into C.
+"""The fused CPU step: every layer of a batch of query rows in one call into C.
 
 :class:`FusedDecoder` binds a :class:`~minserve.models.llama.LlamaForCausalLM` and its paged KV
 cache to ``ms_decode_step`` in ``decode.c`` (beside this file) once (pointers to every weight and
-cache tensor), then runs each all-decode step with a single ctypes call instead of ~35 PyTorch
-operations per layer. It computes what ``LlamaForCausalLM.forward`` computes, in the same order of
-operations except for the summation order inside dot products, so greedy outputs stay token-exact
-against transformers (tests/test_fused_decode.py checks both paths against each other and the reference).
+cache tensor), then runs each step with a single ctypes call instead of ~35 PyTorch operations per
+layer. It computes what ``LlamaForCausalLM.forward`` computes, in the same order of operations
+except for the summation order inside dot products, so greedy outputs stay token-exact against
+transformers (tests/test_fused_decode.py and tests/test_fused_verify.py check it against PyTorch).
 
-Prefill chunks, speculative verification (several query tokens per sequence), half precision and
-GPUs keep using the PyTorch path: the kernel is the CPU answer to one question, the cost of many
-small operations when every step moves only one token per sequence.
+A step is a list of *rows*: one token each, with its own position and block-table row. A decode
+step has one row per sequence; speculative verification gives a sequence k + 1 rows at
+consecutive positions sharing its table (:func:`rows_block_tables` builds those tables). Each
+layer writes every row's K/V before any row attends, so row j sees its own sequence's earlier rows.
+
+Weights are bound through :meth:`Linear.descriptor` (minserve/models/weights.py): the kernel
+implements dense float32 only and refuses anything else with the module's name
+(:func:`unsupported_reason`), so it never reads int8 codes or bf16 halves as float32.
+Half precision and GPUs keep using the PyTorch path.
 """
 
 from __future__ import annotations
@@ -19,10 +25,12 @@ import ctypes
 import torch
 
 from minserve.kernels.build import KernelUnavailable, load
+from minserve.models.weights import DENSE
 
 _f32p = ctypes.POINTER(ctypes.c_float)
 _i64p = ctypes.POINTER(ctypes.c_int64)
 _I64 = ctypes.c_int64
+_KERNEL = "the fused decode kernel implements dense float32 only"
 
 
 class _LayerPtrs(ctypes.Structure):
@@ -44,71 +52,190 @@ class _Scratch(ctypes.Structure):
 
 
 def _ptr(t: torch.Tensor | None, kind=_f32p):
-    return ctypes.cast(t.data_ptr(), kind) if t is not None else kind()
+    if t is None:
+        return kind()
+    # The last line of defence: C reads whatever the pointer points at as `kind`.
+    want = torch.float32 if kind is _f32p else torch.int64
+    if t.dtype != want or not t.is_contiguous() or t.device.type != "cpu":
+        raise TypeError(f"binding a {t.dtype} tensor (contiguous: {t.is_contiguous()}, {t.device}) "
+                        f"as contiguous CPU {want}")
+    return ctypes.cast(t.data_ptr(), kind)
+
+
+def rows_block_tables(query_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+    """The ``block_tables`` argument of a step: [sum(query_lens), n] int64, each sequence's table
+    (padded with block 0 to the longest; padding is never read, a row attends only up to its
+    position) repeated once per query row of that sequence."""
+    if len(query_lens) != len(block_tables) or not query_lens or min(query_lens) < 1:
+        raise ValueError(f"query_lens must be >= 1, one per block table, got {list(query_lens)} "
+                         f"for {len(block_tables)} tables")
+    n = max(1, max(len(t) for t in block_tables))
+    padded = torch.tensor([list(t) + [0] * (n - len(t)) for t in block_tables], dtype=torch.int64)
+    return padded.repeat_interleave(torch.tensor(query_lens), dim=0)
+
+
+# ---- binding: every tensor the kernel reads, checked against the model config -------------------
+
+def _f32(name: str, t: torch.Tensor | None, shape: tuple) -> torch.Tensor:
+    """``t`` if it is a contiguous CPU float32 tensor of ``shape`` (None: any size), else refuse."""
+    if t is None:
+        raise KernelUnavailable(f"{name} is missing")
+    if t.device.type != "cpu":
+        raise KernelUnavailable(f"{name} is on {t.device.type}; the fused decode kernel is CPU-only")
+    if t.dtype != torch.float32:
+        raise KernelUnavailable(f"{name}: {str(t.dtype).removeprefix('torch.')} {list(t.shape)}; "
+                                f"{_KERNEL}")
+    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+        want = [s if s is not None else "*" for s in shape]
+        raise KernelUnavailable(f"{name} has shape {list(t.shape)}, the model config implies {want}")
+    if not t.is_contiguous():
+        raise KernelUnavailable(f"{name} is not contiguous")
+    return t
+
+
+def _dense(name: str, module, out: int, inp: int, bias_ok: bool = False):
+    """(weight, bias) of a linear layer whose descriptor is dense float32 [out x inp], else refuse."""
+    if not hasattr(module, "descriptor"):
+        raise KernelUnavailable(f"{name}: {type(module).__name__} has no descriptor(); the fused "
+                                "decode kernel binds weights only through descriptors")
+    d = module.descriptor()
+    if d.format != DENSE or d.dtype != torch.float32:
+        raise KernelUnavailable(f"{name}: {d.describe()}; {_KERNEL}")
+    if (d.out_features, d.in_features) != (out, inp):
+        raise KernelUnavailable(f"{name}: {d.describe()}, the model config implies [{out} x {inp}]")
+    if d.scales is not None or d.zero_points is not None:
+        raise KernelUnavailable(f"{name}: a dense descriptor with scales or zero points; {_KERNEL}")
+    if d.bias is not None and not bias_ok:  # the kernel adds a bias only after q/k/v
+        raise KernelUnavailable(f"{name} has a bias, which the fused decode kernel does not apply")
+    bias = None if d.bias is None else _f32(f"{name}.bias", d.bias, (out,))
+    return _f32(f"{name}.weight", d.data, (out, inp)), bias
+
+
+def _kv_shape(kv_caches, cfg) -> tuple[int, int, int, int]:
+    if len(kv_caches) != cfg.num_layers:
+        raise KernelUnavailable(f"{len(kv_caches)} KV caches for {cfg.num_layers} layers")
+    k0 = kv_caches[0][0]
+    if k0.dim() != 4:
+        raise KernelUnavailable(f"kv_caches[0].key has shape {list(k0.shape)}, expected "
+                                "[blocks, block_size, kv_heads, head_dim]")
+    return (k0.shape[0], k0.shape[1], cfg.num_kv_heads, cfg.head_dim)
+
+
+def _bind_layer(i: int, layer, kv, cfg, kv_shape) -> tuple[_LayerPtrs, list[torch.Tensor]]:
+    E, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    H, Hkv, p = cfg.num_heads, cfg.num_kv_heads, f"layers.{i}."
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, qkv_bias = _dense(p + "self_attn.qkv_proj", attn.qkv_proj, (H + 2 * Hkv) * D, E, bias_ok=True)
+    o_proj, _ = _dense(p + "self_attn.o_proj", attn.o_proj, E, H * D)
+    gate_up, _ = _dense(p + "mlp.gate_up_proj", mlp.gate_up_proj, 2 * I, E)
+    down, _ = _dense(p + "mlp.down_proj", mlp.down_proj, E, I)
+    bound = [_f32(p + "input_layernorm.weight", layer.input_layernorm.weight, (E,)), qkv, qkv_bias,
+             o_proj, _f32(p + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight,
+                          (E,)), gate_up, down,
+             _f32(f"kv_caches[{i}].key", kv[0], kv_shape), _f32(f"kv_caches[{i}].value", kv[1], kv_shape)]
+    return _LayerPtrs(*[_ptr(t) for t in bound]), bound
+
+
+def _bind(model, kv_caches) -> tuple[_ModelPtrs, object, list]:
+    """Pointers to everything the kernel reads, after checking each tensor; raises KernelUnavailable
+    with the reason (naming the module) when the model or cache is not what the kernel implements."""
+    cfg = model.config
+    E, D, V = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    embed = _f32("embed_tokens.weight", model.embed_tokens.weight, (V, E))
+    if D % 2 or D > 1024:  # rope() rotates half-split pairs in a 1024-float stack buffer
+        raise KernelUnavailable(f"head_dim {D} is odd or > 1024")
+    lm_head, _ = _dense("lm_head", model.lm_head, V, E)
+    final_norm = _f32("norm.weight", model.norm.weight, (E,))
+    cos = _f32("rotary.cos", model.rotary.cos, (None, D))
+    sin = _f32("rotary.sin_signed", model.rotary.sin_signed, tuple(cos.shape))
+    kv_shape = _kv_shape(kv_caches, cfg)
+    layers, keep = [], [model, kv_caches, embed, lm_head, final_norm, cos, sin]
+    for i, (layer, kv) in enumerate(zip(model.layers, kv_caches)):
+        ptrs, bound = _bind_layer(i, layer, kv, cfg, kv_shape)
+        layers.append(ptrs)
+        keep += bound
+    array = (_LayerPtrs * cfg.num_layers)(*layers)
+    ptrs = _ModelPtrs(cfg.num_layers, E, cfg.num_heads, cfg.num_kv_heads, D, cfg.intermediate_size,
+                      V, kv_shape[1], cfg.rms_norm_eps, D ** -0.5, _ptr(embed), _ptr(final_norm),
+                      _ptr(lm_head), _ptr(cos), _ptr(sin), array)
+    return ptrs, array, keep
 
 
 def unsupported_reason(model, kv_caches) -> str | None:
-    """Why the fused kernel cannot run this model, or None when it can."""
+    """Why the fused kernel cannot run this model over this KV cache, or None when it can."""
     w = model.embed_tokens.weight
     if w.device.type != "cpu":
         return f"the model is on {w.device.type}, the fused decode kernel is CPU-only"
-    if w.dtype != torch.float32:
-        return f"the model is {w.dtype}, the fused decode kernel computes in float32"
-    if model.config.head_dim % 2 or model.config.head_dim > 1024:
-        return f"head_dim {model.config.head_dim} is odd or > 1024"
-    tensors = [p for p in model.parameters()] + [t for kv in kv_caches for t in kv]
-    if not all(t.is_contiguous() for t in tensors):
-        return "a weight or KV tensor is not contiguous"
+    try:
+        _bind(model, kv_caches)
+    except KernelUnavailable as e:
+        return str(e)
     return None
 
 
 class FusedDecoder:
-    """Runs decode-only steps (one new token per sequence) of a Llama model in C."""
+    """Runs steps of query rows (decodes, or k + 1 rows per sequence to verify) of a Llama model in C.
 
-    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_batch: int):
-        reason = unsupported_reason(model, kv_caches)
-        if reason:
-            raise KernelUnavailable(reason)
+    ``max_rows``: the most rows (tokens) one step may hold; the scratch buffers are sized for it.
+    ``max_batch`` is the older, decode-only spelling (one row per sequence): with it,
+    :meth:`supports` accepts only steps whose every query length is 1, as it always did.
+    """
+
+    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 max_rows: int | None = None, *, max_batch: int | None = None):
+        if (max_rows is None) == (max_batch is None):
+            raise TypeError("FusedDecoder takes max_rows (or the older max_batch), exactly one")
+        limit = max_rows if max_rows is not None else max_batch
+        if not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"max_rows must be an int >= 1, got {limit!r}")
+        self._model, self._layers, self._keep = _bind(model, kv_caches)  # raises with the reason
+        # The C side holds raw pointers: _keep holds every bound tensor. Replacing a weight tensor
+        # later (model.to(), quantizing in place) needs a new FusedDecoder.
         self._lib = load("decode")
         self.library_name = self._lib._name
         self._lib.ms_decode_step.restype = _I64
         self.last_team_size = 0   # OpenMP threads that ran the last step (the kernel reports it)
-        self.max_batch = max_batch
-        # The C side holds raw pointers: keep every bound tensor alive. Replacing a weight tensor
-        # later (model.to(), quantizing in place) needs a new FusedDecoder.
-        self._keep = [model, kv_caches, model.rotary.cos, model.rotary.sin_signed]
+        self.max_rows, self._decode_only = limit, max_rows is None
+        self._blocks, self._positions = kv_caches[0][0].shape[0], model.rotary.cos.shape[0]
         cfg = model.config
-        self._layers = (_LayerPtrs * cfg.num_layers)(*[_layer_ptrs(layer, kv) for layer, kv
-                                                       in zip(model.layers, kv_caches)])
-        self._model = _ModelPtrs(
-            cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.intermediate_size, model.lm_head.weight.shape[0], kv_caches[0][0].shape[1],
-            cfg.rms_norm_eps, cfg.head_dim ** -0.5,
-            _ptr(model.embed_tokens.weight), _ptr(model.norm.weight), _ptr(model.lm_head.weight),
-            _ptr(model.rotary.cos), _ptr(model.rotary.sin_signed), self._layers)
         e, qkv = cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         sizes = dict(h=e, x=e, qkv=qkv, attn=cfg.num_heads * cfg.head_dim,
                      gate_up=2 * cfg.intermediate_size, act=cfg.intermediate_size)
-        self._buffers = {n: torch.empty(max_batch, size) for n, size in sizes.items()}
+        self._buffers = {n: torch.empty(limit, size) for n, size in sizes.items()}
         self._scores = torch.empty(0)
         self._scratch = _Scratch(*[_ptr(self._buffers[n]) for n in sizes], _ptr(self._scores), 0)
 
-    def supports(self, query_lens: list[int]) -> bool:
-        return 0 < len(query_lens) <= self.max_batch and all(q == 1 for q in query_lens)
+    @property
+    def max_batch(self) -> int:  # the older name: rows were sequences when every step was a decode
+        return self.max_rows
 
-    def _ensure_scores(self, context: int) -> None:
-        # Softmax scratch, one row per (sequence, head); it grows with the longest context seen,
-        # not with the model's maximum length (which may be 128k tokens).
-        if self._scratch.scores_stride >= context:
+    def supports(self, query_lens: list[int]) -> bool:
+        """Whether one step of sequences with these query lengths fits (rows = their sum)."""
+        if not query_lens or min(query_lens) < 1 or (self._decode_only and max(query_lens) > 1):
+            return False
+        return sum(query_lens) <= self.max_rows
+
+    def _ensure_scores(self, rows: int, context: int) -> None:
+        # Softmax scratch, one row per (query row, head). It grows with the longest context and
+        # the most rows seen, not with the model's maximum length (which may be 128k tokens)
+        # times max_rows: a verification step's k + 1 rows need not cost k + 1 times the memory.
+        stride = self._scratch.scores_stride
+        if stride < context:
+            stride = max(context, 2 * stride, 256)
+        need = rows * self._model.num_heads * stride
+        if stride == self._scratch.scores_stride and self._scores.numel() >= need:
             return
-        stride = max(context, 2 * self._scratch.scores_stride, 256)
-        self._scores = torch.empty(self.max_batch * self._model.num_heads * stride)
+        old_rows = self._scores.numel() // max(1, self._model.num_heads * self._scratch.scores_stride)
+        self._scores = torch.empty(max(rows, old_rows) * self._model.num_heads * stride)
         self._scratch.scores, self._scratch.scores_stride = _ptr(self._scores), stride
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                  logits_indices: torch.Tensor, num_threads: int = 0) -> torch.Tensor:
-        """Tokens [B] at positions [B] with block tables [B, n] (int64) -> logits [rows, vocab].
+        """Rows: tokens [T] at positions [T], block tables [T, n] (one per row, int64) ->
+        logits [len(logits_indices), vocab] of the rows ``logits_indices``.
 
+        Rows of one sequence share its table and sit at consecutive positions (see
+        :func:`rows_block_tables`); row j at position p attends keys 0..p.
         ``num_threads``: the OpenMP team size of the step's parallel regions (0: PyTorch's current
         thread count); the engine lowers it when other processes take cores (engine/threads.py).
         """
@@ -116,7 +243,7 @@ class FusedDecoder:
         ids, pos = input_ids.contiguous(), positions.contiguous()
         tables, rows = block_tables.contiguous(), logits_indices.contiguous()
         self._check(ids, pos, tables, rows)
-        self._ensure_scores(int(pos.max()) + 1)
+        self._ensure_scores(ids.shape[0], int(pos.max()) + 1)
         logits = torch.empty(rows.shape[0], self._model.vocab)
         self.last_team_size = self._lib.ms_decode_step(
             ctypes.byref(self._model), ctypes.byref(self._scratch), _I64(ids.shape[0]),
@@ -128,23 +255,20 @@ class FusedDecoder:
         # C trusts every index it is given; a bad one would read or write outside the buffers.
         if any(t.dtype != torch.int64 for t in (ids, pos, tables, rows)):
             raise ValueError("token ids, positions, block tables and logit rows must be int64")
-        batch = ids.shape[0]
-        if not 1 <= batch <= self.max_batch or pos.shape != (batch,) or tables.shape[0] != batch:
-            raise ValueError(f"batch must be in [1, {self.max_batch}] with one position and one "
-                             f"block table per token, got {batch}, {tuple(pos.shape)}, {tuple(tables.shape)}")
-        limit = min(tables.shape[1] * self._model.block_size, self._keep[2].shape[0])
+        n = ids.shape[0] if ids.dim() == 1 else -1
+        if (not 1 <= n <= self.max_rows or pos.shape != (n,) or tables.dim() != 2
+                or tables.shape[0] != n or tables.shape[1] < 1):
+            raise ValueError(f"batch of rows must be in [1, {self.max_rows}] with one position and one "
+                             f"block table per row, got {tuple(ids.shape)}, {tuple(pos.shape)}, "
+                             f"{tuple(tables.shape)}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self._model.vocab:
+            raise ValueError(f"token ids must be in [0, {self._model.vocab})")
+        limit = min(tables.shape[1] * self._model.block_size, self._positions)
         if int(pos.min()) < 0 or int(pos.max()) >= limit:
             raise ValueError(f"positions must be in [0, {limit}), got {pos.tolist()}")
-        blocks = self._keep[1][0][0].shape[0]
-        if int(tables.min()) < 0 or int(tables.max()) >= blocks:
-            raise ValueError(f"block ids must be in [0, {blocks})")
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= batch):
-            raise ValueError(f"logit rows must be in [0, {batch}), got {rows.tolist()}")
-
-
-def _layer_ptrs(layer, kv: tuple[torch.Tensor, torch.Tensor]) -> _LayerPtrs:
-    attn, mlp = layer.self_attn, layer.mlp
-    return _LayerPtrs(_ptr(layer.input_layernorm.weight), _ptr(attn.qkv_proj.weight),
-                      _ptr(attn.qkv_proj.bias), _ptr(attn.o_proj.weight),
-                      _ptr(layer.post_attention_layernorm.weight), _ptr(mlp.gate_up_proj.weight),
-                      _ptr(mlp.down_proj.weight), _ptr(kv[0]), _ptr(kv[1]))
+        if int(tables.min()) < 0 or int(tables.max()) >= self._blocks:
+            raise ValueError(f"block ids must be in [0, {self._blocks})")
+        # The final norm writes one scratch row per logit row: at most n of them.
+        if rows.dim() != 1 or rows.shape[0] > n or (
+                rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n)):
+            raise ValueError(f"logit rows must be at most {n} indices in [0, {n}), got {rows.tolist()}")

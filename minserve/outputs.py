@@ -3,16 +3,19 @@
 Times in :class:`RequestMetrics` are wall-clock seconds (``time.time()``) like vLLM's, converted at
 this boundary from the engine's monotonic clock; the derived latencies are in seconds.
 
-Definitions (the same as vLLM's metrics):
+The derived latencies use the definitions of :mod:`minserve.metrics.latency` (vLLM's), the same
+as the ``vllm:*`` histograms and the requests frame:
 - queue time ``time_in_queue`` = first scheduled - arrival;
 - TTFT = first token - arrival (includes queueing and the whole prefill);
-- TPOT = (E2E - TTFT) / (output tokens - 1), the mean gap between later tokens;
+- TPOT = (last token - first token) / (output tokens - 1), None below two tokens;
 - E2E = finished (or last token, while running) - arrival.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from minserve.metrics import latency
 
 
 @dataclass
@@ -35,19 +38,18 @@ class RequestMetrics:
 
     @property
     def ttft_s(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        return latency.ttft_s(self.arrival_time, self.first_token_time)
 
     @property
     def e2e_s(self) -> float | None:
         end = self.finished_time if self.finished_time is not None else self.last_token_time
-        return None if end is None else end - self.arrival_time
+        return latency.e2e_s(self.arrival_time, end)
 
     @property
     def tpot_s(self) -> float | None:
         """None until there are two tokens (a single token has no "per output token" time)."""
-        if self.num_generation_tokens < 2 or self.ttft_s is None or self.e2e_s is None:
-            return None
-        return (self.e2e_s - self.ttft_s) / (self.num_generation_tokens - 1)
+        return latency.tpot_s(self.first_token_time, self.last_token_time,
+                              self.num_generation_tokens)
 
 
 @dataclass

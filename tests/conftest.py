@@ -26,6 +26,13 @@ def smol_llm():
     return LLM("smollm2-135m", max_num_seqs=32, max_num_batched_tokens=512, kv_cache_memory="512MiB")
 
 
+def generate_ids(llm, prompts, params):
+    """Token ids of each prompt's answer (prompts as token-id lists); every block must be back."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_all_blocks_free(llm)
+    return [o.outputs[0].token_ids for o in outs]
+
+
 def assert_all_blocks_free(llm):
     eng = llm.llm_engine
     pool = eng.kv.pool

@@ -262,6 +262,65 @@ def test_inprocess_run_completes_with_consistent_frames(engine, corpus):
     json.dumps(res.to_json())  # strict-JSON serializable
 
 
+def test_inprocess_steps_follow_step_numbers_after_the_history_wrapped(corpus, caplog):
+    """``engine.step_stats`` holds only the latest max_step_records steps; the run's steps are
+    picked by their ``step`` number, so they stay right before and after the deque wraps."""
+    from minserve.bench import run_inprocess
+    from minserve.bench.datasets import SampleRequest
+    from minserve.engine.llm_engine import LLMEngine
+    eng = LLMEngine.from_engine_args("tiny-llama", num_kv_blocks=32, max_step_records=5)
+    short = [SampleRequest("hello there", 2, 2, "a")]        # prefill + 1 decode: 2 steps
+    for _ in range(3):                                        # fill the history (6 steps > 5)
+        run_inprocess(eng, short, ignore_eos=True)
+    before = eng.num_steps
+    assert len(eng.step_stats) == 5 < before
+    res = run_inprocess(eng, short, ignore_eos=True)
+    assert res.steps.step.tolist() == list(range(before, eng.num_steps)) == [before, before + 1]
+    assert res.steps.num_prefill_tokens[0] > 0 and res.steps.num_decode_tokens.tolist() == [0, 1]
+    # A run longer than the history: its latest 5 steps, said so in the log, never older ones.
+    before = eng.num_steps
+    with caplog.at_level("WARNING", logger="minserve.bench.inprocess"):
+        res = run_inprocess(eng, [SampleRequest("hello there", 2, 9, "b")], ignore_eos=True)
+    assert eng.num_steps - before == 9
+    assert res.steps.step.tolist() == list(range(eng.num_steps - 5, eng.num_steps))
+    assert (res.steps.num_decode_tokens == 1).all() and (res.steps.t_s >= 0).all()
+    assert "its first 4 are not in .steps" in caplog.text
+    assert res.summary["completed"] == 1 and res.summary["output_lens"] == [9]
+
+
+def test_inprocess_step_with_several_tokens_is_one_emission():
+    """A step output with several new tokens (speculative decoding) is one emission: one ITL,
+    no 0 s gaps, while TPOT divides by every token."""
+    from types import SimpleNamespace
+
+    from minserve.bench.datasets import SampleRequest
+    from minserve.bench.inprocess import _Run
+    from minserve.bench.results import BenchOptions, requests_frame
+
+    class Engine:
+        def add_request(self, *args):
+            pass
+    run = _Run(Engine(), [SampleRequest("p", 3, 6, "x")], BenchOptions())
+    run.admit(0.0)
+    rid, = run.in_flight
+    run.records[0].start_time = 10.0
+
+    def out(ids, t, finished=False):
+        comp = SimpleNamespace(token_ids=ids, text="t" * len(ids),
+                               finish_reason="length" if finished else None)
+        run.collect([SimpleNamespace(request_id=rid, outputs=[comp], prompt_token_ids=[1, 2, 3],
+                                     finished=finished)], t)
+    out([5], 10.5)                 # prefill: the first token
+    out([6, 7, 8], 11.0)           # three accepted at once
+    out([], 11.125)                # a step that brought nothing: no emission
+    out([9, 10], 11.25, finished=True)
+    rec = run.records[0]
+    assert rec.success and rec.output_tokens == 6
+    assert (rec.ttft, rec.itl, rec.latency) == (0.5, [0.5, 0.25], 1.25)
+    row = requests_frame([rec], [rec.output_tokens], 10.0).iloc[0]
+    assert row.tpot_s == 0.75 / 5
+
+
 # ---- HTTP client against a stub server -------------------------------------------------------
 
 CHUNKS = ["Hello", " world", "", " again"]   # "" carries no text: not a token for TTFT/ITL

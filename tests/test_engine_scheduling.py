@@ -5,13 +5,7 @@ import pytest
 
 from minserve import LLM, SamplingParams
 from prompts import mixed_prompts
-from conftest import assert_all_blocks_free
-
-
-def _run(llm, prompts, params):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert_all_blocks_free(llm)
-    return [o.outputs[0].token_ids for o in outs]
+from conftest import assert_all_blocks_free, generate_ids as _run
 
 
 @pytest.fixture(scope="module")

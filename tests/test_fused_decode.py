@@ -16,6 +16,7 @@ from minserve import LLM, SamplingParams
 from minserve.attention import build_attention_metadata
 from minserve.kernels import build as kernel_build
 from minserve.kernels.build import KernelUnavailable
+from minserve.kernels.decode import FusedDecoder
 from minserve.models.loader import _smollm2_tokenizer_dir
 from minserve.models.tiny import write_tiny_model
 from conftest import assert_all_blocks_free
@@ -86,32 +87,24 @@ def test_matmul_kernel_matches_linear(batch, in_features, out_features, accumula
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4)
 
 
-class CountingDecoder:
-    """Wraps the engine's fused decoder to record the batch size of every call."""
-
-    def __init__(self, inner):
-        self.inner, self.batches = inner, []
-
-    def supports(self, query_lens):
-        return self.inner.supports(query_lens)
-
-    def __call__(self, ids, *args):
-        self.batches.append(len(ids))
-        return self.inner(ids, *args)
-
-
-def test_engine_runs_decode_steps_through_the_kernel():
+def test_engine_runs_decode_steps_through_the_kernel(monkeypatch):
+    calls = []  # rows of every kernel call, whichever runner object holds the decoder
+    inner = FusedDecoder.__call__
+    monkeypatch.setattr(FusedDecoder, "__call__",
+                        lambda self, ids, *args: calls.append(len(ids)) or inner(self, ids, *args))
     llm = LLM("tiny-llama", num_kv_blocks=64, max_num_batched_tokens=64, fused_decode=True,
               device="cpu")
     eng = llm.llm_engine
-    eng.runner.fused = counting = CountingDecoder(eng.runner.fused)
     prompts = [{"prompt_token_ids": list(range(100, 100 + n))} for n in (3, 90, 40)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                         use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8, 8]
-    # Every all-decode step, and only those, went through the kernel, with all its sequences.
+    # Every all-decode step went through the kernel with all its sequences, in step order (short
+    # mixed steps may go through it too: that is the runner's choice, see FusedDecoder.supports).
     decode_only = [s.num_decode_tokens for s in eng.step_stats if s.num_prefill_tokens == 0]
-    assert counting.batches == decode_only and sum(decode_only) > 0
+    remaining = iter(calls)
+    assert all(any(rows == n for rows in remaining) for n in decode_only), (decode_only, calls)
+    assert sum(decode_only) > 0
     assert_all_blocks_free(llm)
 
 
@@ -196,7 +189,8 @@ def test_kernel_call_rejects_indices_that_would_leave_its_buffers():
     assert fused(ids, pos, tables, rows).shape == (2, llm.llm_engine.model_config.vocab_size)
     bad = {
         "int64": (ids.int(), pos, tables, rows),
-        "batch": (torch.tensor([1, 2, 3]), torch.tensor([3, 4, 5]), torch.tensor([[0], [1], [2]]), rows),
+        # The scratch holds max_num_seqs x MAX_FUSED_QUERY_LEN = 16 rows: 17 do not fit.
+        "batch": (torch.ones(17, dtype=torch.long), torch.arange(17), torch.zeros(17, 2, dtype=torch.long), rows),
         "positions": (ids, torch.tensor([3, 16]), tables, rows),        # one block holds 0..15
         "block ids": (ids, pos, torch.tensor([[0], [8]]), rows),        # the pool has blocks 0..7
         "logit rows": (ids, pos, tables, torch.tensor([2])),

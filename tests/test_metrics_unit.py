@@ -15,13 +15,13 @@ Steps: 0 -> a's first token; 1 -> a, b; 2 -> a (done), d (done), b preempted; ab
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from minserve.engine.request import Request, RequestStatus
+from minserve.engine.stats import StepStats
 from minserve.metrics import EngineMetrics, requests_frame, steps_frame
 from minserve.sampling_params import SamplingParams
 
@@ -34,17 +34,18 @@ def make_request(rid: str, n_prompt: int, arrival: float) -> Request:
 
 
 def step_stats(i, prefill, decode, running, waiting, kv, preempt=0, queries=0, hits=0):
-    return SimpleNamespace(step=i, start_s=0.5 + 0.25 * i, step_time_s=0.25,
-                           num_prefill_tokens=prefill, num_decode_tokens=decode,
-                           num_running=running, num_waiting=waiting, kv_cache_usage=kv,
-                           num_preemptions=preempt, prefix_cache_queries=queries,
-                           prefix_cache_hits=hits)
+    return StepStats(step=i, start_s=0.5 + 0.25 * i, step_time_s=0.25,
+                     num_prefill_tokens=prefill, num_decode_tokens=decode,
+                     num_running=running, num_waiting=waiting, kv_cache_usage=kv,
+                     num_preemptions=preempt, prefix_cache_queries=queries,
+                     prefix_cache_hits=hits)
 
 
-def sample(req: Request, t: float) -> Request:
+def sample(req: Request, t: float) -> tuple[Request, int]:
+    """One new token for ``req`` at ``t``, as the engine reports it: (request, new tokens)."""
     req.timeline.token_s.append(t)
     req.output_token_ids.append(100 + len(req.output_token_ids))
-    return req
+    return req, 1
 
 
 def finish(req: Request, status: RequestStatus, t: float) -> Request:

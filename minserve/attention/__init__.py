@@ -1,6 +1,7 @@
 """Paged attention: per-step metadata and backends (torch reference now; Triton on CUDA later)."""
 
+from minserve.attention.backend import AttentionBackend, StepSequences, TorchAttentionBackend
 from minserve.attention.metadata import AttentionGroup, AttentionMetadata, build_attention_metadata
 from minserve.attention.torch_paged import TorchPagedAttention
 
-__all__ = ["AttentionGroup", "AttentionMetadata", "build_attention_metadata", "TorchPagedAttention"]
+__all__ = ["AttentionBackend", "StepSequences", "TorchAttentionBackend", "AttentionGroup", "AttentionMetadata", "build_attention_metadata", "TorchPagedAttention"]

@@ -5,10 +5,18 @@ Each request is one streaming POST to ``/v1/completions`` (backend ``openai``) o
 {include_usage: true}`` (so the server reports the exact completion token count),
 ``temperature: 0``, ``max_tokens`` (``max_completion_tokens`` for chat) and, when asked, vLLM's
 extra field ``ignore_eos``. The
-response is read as server-sent events; the time of every chunk that carries output text feeds
-TTFT and ITL (definitions in :mod:`minserve.bench.metrics`). Requests go out at the times of
-:mod:`minserve.bench.arrivals`, at most ``max_concurrency`` at a time, while
-:class:`~minserve.bench.server_metrics.MetricsPoller` samples ``/metrics``.
+response is read as server-sent events; the time of every chunk that carries output (an
+*emission*) feeds TTFT and ITL (definitions in :mod:`minserve.bench.metrics`).
+
+When TTFT starts: at the first chunk whose choice carries output text or a token, not at the
+first byte, nor at a chunk with only the role (chat streams open with ``{"role": "assistant"}``),
+only a ``finish_reason`` or only ``usage``. vLLM's client stamps the first chunk with choices
+whatever it holds; that is the same moment against a vLLM server, which sends the role together
+with the first token, but a server that opens the stream with the role at once (OpenAI's
+convention) would show a TTFT of about 0. Waiting for output measures the same thing on both.
+
+Requests go out at the times of :mod:`minserve.bench.arrivals`, at most ``max_concurrency`` at a
+time, while :class:`~minserve.bench.server_metrics.MetricsPoller` samples ``/metrics``.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import httpx
 
 from minserve.bench.arrivals import arrival_times
 from minserve.bench.datasets import SampleRequest
-from minserve.bench.metrics import RequestRecord
+from minserve.bench.metrics import RequestRecord, set_latencies
 from minserve.bench.results import BenchOptions, BenchResult, finalize
 from minserve.bench.server_metrics import MetricsPoller
 
@@ -77,14 +85,26 @@ def build_payload(target: Target, req: SampleRequest, ignore_eos: bool) -> dict:
     return payload
 
 
-def _chunk_text(data: dict, chat: bool) -> str | None:
-    """The output text of one chunk; None when it carries no choices (e.g. the usage chunk)."""
+def _choice_output(data: dict, chat: bool) -> tuple[str, bool] | None:
+    """``(text, is_emission)`` of one chunk's first choice; None when the chunk has no choices
+    (the usage chunk). A choice is an emission when it carries output text, or a token whose
+    text is empty (a special token, a partial character): token ids, logprobs or reasoning."""
     choices = data.get("choices")
     if not choices:
         return None
+    choice = choices[0]
     if chat:
-        return (choices[0].get("delta") or {}).get("content") or ""
-    return choices[0].get("text") or ""
+        delta = choice.get("delta") or {}
+        text = delta.get("content") or ""
+        # vLLM's reasoning parsers stream thinking tokens apart from the content.
+        token = bool(delta.get("reasoning_content") or delta.get("reasoning"))
+    else:
+        text, token = choice.get("text") or "", False
+    logprobs = choice.get("logprobs")
+    if isinstance(logprobs, dict):  # completions: {"tokens": [...]}; chat: {"content": [...]}
+        token = token or bool(logprobs.get("tokens") or logprobs.get("content"))
+    token = token or bool(choice.get("token_ids"))  # vLLM's return_token_ids extension
+    return text, bool(text) or token
 
 
 class _Stream:
@@ -93,8 +113,8 @@ class _Stream:
     def __init__(self, rec: RequestRecord, chat: bool):
         self.rec, self.chat = rec, chat
         self.parts: list[str] = []
+        self.emissions: list[float] = []      # times of the chunks that carried output
         self.first_choice_t: float | None = None
-        self.last_t: float | None = None      # last content chunk
         self.end_t: float | None = None       # last chunk with choices
 
     def on_event(self, event: str, now: float) -> None:
@@ -106,20 +126,17 @@ class _Stream:
         usage = data.get("usage")
         if usage and usage.get("completion_tokens") is not None:
             self.rec.output_tokens = int(usage["completion_tokens"])
-        text = _chunk_text(data, self.chat)
-        if text is None:
+        out = _choice_output(data, self.chat)
+        if out is None:
             return
+        text, emission = out
         self.end_t = now
         if self.first_choice_t is None:
             self.first_choice_t = now
-        if not text:
-            return  # role-only or finish chunks carry no token: they are not "first token"
-        if self.last_t is None:
-            self.rec.ttft = now - self.rec.start_time
-        else:
-            self.rec.itl.append(now - self.last_t)
-        self.last_t = now
-        self.parts.append(text)
+        if emission:  # role-only and finish-only chunks carry no token: not an emission
+            self.emissions.append(now)
+        if text:
+            self.parts.append(text)
 
     def finish(self) -> None:
         rec = self.rec
@@ -127,9 +144,10 @@ class _Stream:
         if self.first_choice_t is None:
             rec.error = "the stream ended without a single completion chunk"
             return
-        if self.last_t is None:  # choices but no text at all (e.g. only special tokens)
-            rec.ttft = self.first_choice_t - rec.start_time
-        rec.latency = max(self.end_t, self.last_t or 0.0) - rec.start_time
+        # Choices but no output in any of them (a server that sends neither text nor tokens,
+        # e.g. for only special tokens): the first chunk with choices is all that is left, which
+        # is vLLM's rule.
+        set_latencies(rec, self.emissions or [self.first_choice_t], self.end_t)
         rec.success = True
 
 

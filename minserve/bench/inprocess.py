@@ -7,14 +7,21 @@ records next to the per-request latencies. The loop is a virtual schedule agains
 passed (and for which a concurrency slot is free, like the client's semaphore); when nothing is in
 flight it sleeps until the next arrival.
 
-A request is "sent" when ``add_request`` is called. A chunk is a step output that carries new
-tokens, stamped when ``step()`` returns (the moment a streaming server could flush it), so TTFT,
-ITL, TPOT and E2EL mean what they mean for the HTTP client, minus network and HTTP overhead.
-The output token count is exact (the engine's token ids, like a server's ``usage``).
+A request is "sent" when ``add_request`` is called. An emission is a step output that carries
+new tokens (one or several: a speculative-decoding step may accept more than one), stamped when
+``step()`` returns (the moment a streaming server could flush it), so TTFT, ITL, TPOT and E2EL
+mean what they mean for the HTTP client, minus network and HTTP overhead. The output token count
+is exact (the engine's token ids, like a server's ``usage``).
+
+The run's steps are found by step number (``StepStats.step`` against ``engine.num_steps`` at the
+start), never by position in ``engine.step_stats``: that history is a bounded deque
+(``max_step_records``), so once it is full a position points at a different step after every
+step. A run longer than the history keeps only its latest ``max_step_records`` steps.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import uuid
@@ -22,11 +29,13 @@ from collections import deque
 
 from minserve.bench.arrivals import arrival_times
 from minserve.bench.datasets import SampleRequest
-from minserve.bench.metrics import RequestRecord
+from minserve.bench.metrics import RequestRecord, set_latencies
 from minserve.bench.results import BenchOptions, BenchResult, finalize
 from minserve.sampling_params import RequestOutputKind, SamplingParams
 
 IDLE_SLEEP_MAX_S = 0.05  # re-check at least this often while waiting for the next arrival
+
+log = logging.getLogger(__name__)
 
 
 class _Run:
@@ -43,7 +52,7 @@ class _Run:
                         for i, (r, t) in enumerate(zip(requests, self.times))]
         self.prefix = f"bench-{uuid.uuid4().hex[:8]}-"  # engine ids must not clash across runs
         self.in_flight: dict[str, int] = {}
-        self.last_token_t: dict[int, float] = {}
+        self.emissions: dict[int, list[float]] = {}   # request index -> times of its emissions
         self.done = 0
 
     def admit(self, now_s: float) -> None:
@@ -71,12 +80,8 @@ class _Run:
                 continue
             rec, comp = self.records[i], out.outputs[0]
             rec.prompt_len = len(out.prompt_token_ids)  # what the engine actually prefilled
-            if comp.token_ids:
-                if i not in self.last_token_t:
-                    rec.ttft = now - rec.start_time
-                else:
-                    rec.itl.append(now - self.last_token_t[i])
-                self.last_token_t[i] = now
+            if comp.token_ids:  # one emission, however many tokens the step appended
+                self.emissions.setdefault(i, []).append(now)
                 rec.output_tokens += len(comp.token_ids)
             rec.generated_text += comp.text
             if out.finished:
@@ -88,8 +93,10 @@ class _Run:
         self.done += 1
         if reason in ("abort", "error") or not rec.output_tokens:
             rec.error = f"request finished with reason {reason!r} after {rec.output_tokens} tokens"
+            self.emissions.pop(i, None)
             return
-        rec.latency = self.last_token_t[i] - rec.start_time
+        emissions = self.emissions.pop(i)
+        set_latencies(rec, emissions, emissions[-1])
         rec.success = True
 
     def idle_wait(self, t0: float) -> None:
@@ -141,7 +148,13 @@ def run_inprocess(engine, requests: list[SampleRequest], request_rate: float = m
 
 
 def _steps(engine, first_step: int, t0: float):
+    """The steps this run took that the engine still holds, selected by step number."""
     frame = engine.steps_frame()
     steps = frame[frame.step >= first_step].reset_index(drop=True)
+    lost = engine.num_steps - first_step - len(steps)
+    if lost:
+        log.warning("the run took %d steps; the engine keeps the latest %d (max_step_records), so "
+                    "its first %d are not in .steps", engine.num_steps - first_step,
+                    engine.config.max_step_records, lost)
     steps["t_s"] = steps["start_s"] - (t0 - engine.start_s)
     return steps

@@ -4,14 +4,18 @@ Both backends (the HTTP client and the in-process engine driver) fill one
 :class:`RequestRecord` per request and hand the list to :func:`calculate_metrics`, so a number
 from a notebook run and one from a run against a vLLM server mean the same thing.
 
-Per request, all client-side and in seconds:
-- TTFT: from sending the request to the first chunk that carries output text.
-- ITL: the gaps between successive output chunks (one per token when the server streams each
-  token; a chunk holding several tokens gives one longer gap).
+Per request, all client-side and in seconds, with the definitions of
+:mod:`minserve.metrics.latency` applied to what the client sees. An *emission* is a streamed chunk
+that carries output (text, or a token with no text such as a special token); role-only,
+finish-only and usage chunks are not emissions.
+- TTFT: from sending the request to its first emission.
+- ITL: the gaps between successive emissions (one per token when the server streams each token;
+  a chunk holding several tokens, e.g. a speculative-decoding step, gives one longer gap).
 - E2EL (``latency``): from sending the request to its last chunk carrying choices (usually the
   one with ``finish_reason``), as vLLM's client measures it.
-- TPOT: ``(latency - ttft) / (output_len - 1)`` for ``output_len > 1``; requests with one token
-  have no TPOT (they count as 0 for goodput, as in vLLM).
+- TPOT: ``(latency - ttft) / (output_len - 1)`` for ``output_len > 1`` (latency standing in for
+  the last token, as in vLLM); requests with one token have no TPOT (they count as 0 for
+  goodput, as in vLLM).
 - output_len: the server's ``usage.completion_tokens`` when it reports one, else the token count of
   the generated text (which can differ slightly: text does not always re-tokenize to the same ids).
 
@@ -29,6 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from minserve.metrics import latency as lat
 
 MS_PER_S = 1000.0
 METRIC_NAMES = ("ttft", "tpot", "itl", "e2el")
@@ -67,6 +73,19 @@ class BenchmarkMetrics:
     stats_ms: dict[str, dict[str, float]]          # metric -> {"mean", "median", "std", "pNN"}
     max_output_tokens_per_s: float = 0.0
     max_concurrent_requests: int = 0
+
+
+def set_latencies(rec: RequestRecord, emissions: list[float], end: float) -> None:
+    """Fill ``rec``'s TTFT, ITLs and E2EL from the times of its emissions and of its last chunk
+    (same clock as ``rec.start_time``); the one path both backends take."""
+    rec.ttft = lat.ttft_s(rec.start_time, emissions[0])
+    rec.itl = lat.itls_s(emissions)
+    rec.latency = lat.e2e_s(rec.start_time, end)
+
+
+def request_tpot(rec: RequestRecord, n: int) -> float | None:
+    """TPOT of a successful request with ``n`` output tokens; None below two tokens."""
+    return lat.tpot_s(rec.ttft, rec.latency, n)
 
 
 def percentile_key(p: float) -> str:
@@ -141,9 +160,11 @@ def calculate_metrics(records: list[RequestRecord], duration_s: float, tokenizer
             continue
         n = output_len(rec, tokenizer)
         lens.append(n)
-        tpot = (rec.latency - rec.ttft) / (n - 1) if n > 1 else 0.0
-        if n > 1:
+        tpot = request_tpot(rec, n)
+        if tpot is not None:
             tpots.append(tpot)
+        else:
+            tpot = 0.0  # vLLM's convention: a one-token request passes any TPOT SLO
         ttfts.append(rec.ttft)
         itls.extend(rec.itl)
         e2els.append(rec.latency)

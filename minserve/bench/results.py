@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from minserve.bench.metrics import (METRIC_NAMES, RequestRecord, calculate_metrics,
-                                    percentile_key, result_dict)
+                                    percentile_key, request_tpot, result_dict)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -75,12 +75,13 @@ def requests_frame(records: list[RequestRecord], lens: list[int], t0: float) -> 
     rows = []
     for rec, n in zip(records, lens):
         ok = rec.success
+        tpot = request_tpot(rec, n) if ok else None
         rows.append({
             "request_id": rec.request_id, "scenario": rec.scenario, "scheduled_s": rec.scheduled_s,
             "send_s": rec.start_time - t0, "prompt_len": rec.prompt_len,
             "expected_output_len": rec.expected_output_len, "output_len": n,
             "ttft_s": rec.ttft if ok else math.nan,
-            "tpot_s": (rec.latency - rec.ttft) / (n - 1) if ok and n > 1 else math.nan,
+            "tpot_s": math.nan if tpot is None else tpot,
             "itl_s": list(rec.itl), "e2el_s": rec.latency if ok else math.nan,
             "finish_s": rec.start_time + rec.latency - t0 if ok else math.nan,
             "success": ok, "error": rec.error})

@@ -220,7 +220,9 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         table = self.block_tables.get(req.request_id, [])
-        full = min(req.num_computed_tokens // self.block_size, len(table))
+        # Only tokens that are final: computed, and part of the request (not a proposal that a
+        # verify step may still reject; those are never among its tokens).
+        full = min(min(req.num_computed_tokens, req.num_tokens) // self.block_size, len(table))
         hashes = self._hashes(req)
         for i in range(req.num_registered_blocks, full):
             self.pool.register(table[i], *hashes[i])
@@ -245,6 +247,17 @@ class KVCacheManager:
         table.extend(cached_blocks)
         table.extend(self.pool.allocate(max(0, need)))
         return True
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Shrink the request's table to the blocks that ``num_tokens`` tokens need; the blocks
+        cut off (emptied by a rollback) go back to the pool."""
+        table = self.block_tables.get(request_id)
+        if table is None:
+            return
+        keep = -(-max(0, num_tokens) // self.block_size)
+        if keep < len(table):
+            self.pool.release(table[keep:])
+            del table[keep:]
 
     def free(self, request_id: str) -> None:
         self.pool.release(self.block_tables.pop(request_id, []))

@@ -22,7 +22,8 @@ from minserve.engine.output_processor import OutputProcessor
 from minserve.engine.inputs import check_cache_salt, check_params, prompt_ids
 from minserve.engine.request import Request, RequestRecord, RequestStatus
 from minserve.engine.sampler import make_generator
-from minserve.engine.scheduler import Scheduler, SchedulerOutput
+from minserve.engine.scheduler import Scheduler
+from minserve.engine.step_io import ModelRunnerOutput, SchedulerOutput
 from minserve.engine.stats import StepStats
 from minserve.metrics import EngineMetrics, requests_frame, steps_frame
 from minserve.models.loader import LoadedModel, load_model
@@ -51,7 +52,11 @@ class LLMEngine:
         self.runner.allocate_kv(self.kv_spec, self.max_model_len)
         self.model_fingerprint = model_fingerprint(loaded, config.dtype)
         self.kv = KVCacheManager(self.kv_spec, config.enable_prefix_caching, self.model_fingerprint)
-        self.scheduler = Scheduler(config, self.kv)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        # Speculative decoding plugs in here: an object with ``propose(request) -> list[int]``,
+        # asked before each step for the next tokens of every decoding request (minserve/spec/).
+        self.proposer = None
+        self.last_step_failures: dict[str, str] = {}
         self.start_s = time.perf_counter()
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len,
                                                 time.time() - time.perf_counter())
@@ -155,69 +160,79 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration. A failure tied to one request (its data, its sampling, its output)
         fails that request alone, with finish_reason "error" and ``RequestOutput.error`` set;
-        the others in the step carry on as if it had never been there."""
+        the others in the step carry on as if it had never been there. The step's failures are
+        also listed, id -> reason, in :attr:`last_step_failures`."""
         t0 = time.perf_counter()
         preempted_before = self.scheduler.num_preemptions
+        self.last_step_failures = {}
+        if self.proposer is not None:
+            self._propose()
         sched = self.scheduler.schedule()
-        outputs, got_token, finished = [], [], []
+        outputs, finished = [], []
         for req, why in sched.failed:
             self._fail(req, why, outputs, finished)
         if sched.is_empty:
             if finished:
                 self.metrics.record_step(self._record_step(t0, sched, 0), [], finished)
             return outputs
-        sampled, errors = self._execute(sched)
-        for s in sched.scheduled:
-            req = s.request
-            why = errors.get(req.request_id)
-            if why is None:
-                try:
-                    self._advance(req, s.num_new_tokens, sampled.get(req.request_id),
-                                  outputs, got_token, finished)
-                    continue
-                except Exception as e:
-                    why = f"{type(e).__name__}: {e}"
+        update = self.scheduler.update_from_output(sched, self._execute(sched), self._append_tokens)
+        for req, status in update.finished:
+            self._retire(req, status)
+            finished.append(req)
+        failed = list(update.failed)
+        for req, _ in update.appended:
+            try:
+                self._output(req, outputs)
+            except Exception as e:  # building its output failed: it fails alone
+                failed.append((req, f"{type(e).__name__}: {e}"))
+        for req, why in failed:
             self._fail(req, why, outputs, finished)
         stats = self._record_step(t0, sched, self.scheduler.num_preemptions - preempted_before)
-        self.metrics.record_step(stats, [r for r in got_token if r.error is None], finished)
+        self.metrics.record_step(stats, [(r, n) for r, n in update.appended if r.error is None], finished)
         return outputs
 
-    def _execute(self, sched) -> tuple[dict, dict[str, str]]:
+    def _propose(self) -> None:
+        """Ask the proposer (speculative decoding) for the next tokens of decoding requests; the
+        scheduler cuts them to what the step can hold (Scheduler._proposals)."""
+        for req in self.scheduler.running:
+            if req.num_tokens - req.num_computed_tokens == 1:
+                req.spec_token_ids = list(self.proposer.propose(req))
+
+    def _execute(self, sched) -> ModelRunnerOutput:
         """Run the step. If it raises, find out whose fault it is: rerun each request alone
         (writing the same K/V into the same slots again is harmless, and seeded generators are
-        rewound first, so a retried request samples exactly what it would have). Returns the
-        sampled tokens and, per failed request id, the error."""
+        rewound first, so a retried request samples exactly what it would have)."""
         rngs = {s.request.request_id: s.request.generator.get_state()
                 for s in sched.scheduled if s.samples and s.request.generator is not None}
         try:
-            return self.runner.execute(sched, self.kv), {}
+            return ModelRunnerOutput(self.runner.execute(sched, self.kv))
         except Exception as e:
             if len(sched.scheduled) == 1:
-                return {}, {sched.scheduled[0].request.request_id: f"{type(e).__name__}: {e}"}
+                return ModelRunnerOutput(errors={sched.scheduled[0].request.request_id: f"{type(e).__name__}: {e}"})
             log.warning("step of %d requests failed (%s: %s); retrying them one by one",
                         len(sched.scheduled), type(e).__name__, e)
-        sampled, errors = {}, {}
+        out = ModelRunnerOutput()
         for s in sched.scheduled:
             rid = s.request.request_id
             if rid in rngs:
                 s.request.generator.set_state(rngs[rid])
             try:
-                sampled.update(self.runner.execute(SchedulerOutput(scheduled=[s]), self.kv))
+                out.sampled.update(self.runner.execute(SchedulerOutput(scheduled=[s]), self.kv))
             except Exception as e:
-                errors[rid] = f"{type(e).__name__}: {e}"
-        return sampled, errors
+                out.errors[rid] = f"{type(e).__name__}: {e}"
+        return out
 
-    def _advance(self, req: Request, num_new_tokens: int, tok, outputs, got_token, finished) -> None:
-        """Book the step's work for one request: computed tokens, cache blocks, sampled token."""
-        req.num_computed_tokens += num_new_tokens
-        self.kv.cache_full_blocks(req)
-        if tok is None:
-            return  # a prefill chunk that did not reach the end of the prompt
-        got_token.append(req)
-        status = self.output_processor.append_token(req, tok.token_id, tok.logprobs, tok.rank)
-        if status is not None:
-            self._retire(req, status)
-            finished.append(req)
+    def _append_tokens(self, req: Request, tokens: list) -> tuple[int, RequestStatus | None]:
+        """The scheduler's token consumer: append accepted tokens one by one (text, stop checks);
+        a stop drops the tokens after it. Returns how many were kept and the finished status."""
+        now = time.perf_counter()
+        for i, tok in enumerate(tokens):
+            status = self.output_processor.append_token(req, tok.token_id, tok.logprobs, tok.rank, now)
+            if status is not None:
+                return i + 1, status
+        return len(tokens), None
+
+    def _output(self, req: Request, outputs: list) -> None:
         out = self.output_processor.make_output(req)
         if out is not None:
             outputs.append(out)
@@ -225,6 +240,7 @@ class LLMEngine:
     def _fail(self, req: Request, why: str, outputs: list, finished: list) -> None:
         log.warning("request %s failed: %s", req.request_id, why)
         req.error = why
+        self.last_step_failures[req.request_id] = why
         if req.finished:  # it failed while building its last output: already retired
             req.status = RequestStatus.FINISHED_ERROR
             if self._records and self._records[-1].request_id == req.request_id:
@@ -252,7 +268,7 @@ class LLMEngine:
             kv_cache_usage=self.kv.usage, num_preemptions=preemptions,
             prefix_cache_queries=sched.prefix_cache_queries, prefix_cache_hits=sched.prefix_cache_hits,
             prefill_chunks=tuple((s.request.request_id, s.context_len, s.num_new_tokens)
-                                 for s in sched.scheduled if s.num_new_tokens > 1 or not s.samples)))
+                                 for s in sched.scheduled if s.is_prefill)))
         return self.step_stats[-1]
 
     @property

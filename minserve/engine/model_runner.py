@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
 
 import torch
 
-from minserve.attention import build_attention_metadata
+from minserve.attention import AttentionBackend, StepSequences, TorchAttentionBackend
+from minserve.attention.fused_cpu import FusedCpuBackend
 from minserve.config import EngineConfig
 from minserve.engine.kv_cache import KVCacheManager, KVCacheSpec, allocate_kv_tensors
 from minserve.engine.memory import DeviceMemory, DeviceMemoryReader, measure_device_memory, snapshot
 from minserve.engine.sampler import Sampler, SamplingBatch
-from minserve.engine.scheduler import SchedulerOutput
+from minserve.engine.step_io import SampledToken, SchedulerOutput
 from minserve.engine.threads import CpuLoadHint, ThreadController, adaptive_threads_enabled
 from minserve.kernels.build import KernelUnavailable
 from minserve.kernels.decode import FusedDecoder, unsupported_reason
@@ -34,15 +34,13 @@ from minserve.models.layers import RotaryEmbedding
 from minserve.models.llama import LlamaForCausalLM
 from minserve.models.loader import LoadedModel
 from minserve.sampling_params import SamplingParams
+from minserve.spec.verify import accept_one_hot
 
 log = logging.getLogger("minserve")
 
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprobs: list[tuple[int, float]] | None   # [(sampled, lp), top-N...] when asked
-    rank: int | None
+# Tokens per sequence the fused C step takes: a decode (1) or a verify step of up to 7 proposals.
+# Longer ones (prefill chunks) run through PyTorch, whose GEMMs use the cores better.
+MAX_FUSED_QUERY_LEN = 8
 
 
 class ModelRunner:
@@ -60,11 +58,16 @@ class ModelRunner:
         self.model = LlamaForCausalLM(loaded.config, loaded.weights, max_positions)
         self.model.to(device=self.device, dtype=config.torch_dtype)
         self.model.rotary.build_tables(self.device)  # fp32 tables whatever the model dtype
+        # The backend the PyTorch model attends through (torch here; Triton on CUDA later, via
+        # model.use_attention), and the list of step backends by preference (allocate_kv).
+        self.layer_backend = TorchAttentionBackend(config.block_size, self.device)
+        self.model.use_attention(self.layer_backend)
+        self.backends: list[AttentionBackend] = [self.layer_backend]
         # Profiling hook (CUDA): the weights are placed; run the largest step once and measure.
         self.device_memory: DeviceMemory | None = (
             measure_device_memory(reader, start, self._profile_largest_step) if reader is not None else None)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # allocate_kv()
-        self.block_size, self.fused = config.block_size, None
+        self.block_size = config.block_size
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
         # CPU only: a GPU step's host threads are not where its time goes.
@@ -81,7 +84,15 @@ class ModelRunner:
             self.model.rotary.build_tables(self.device)
         self.kv_caches = allocate_kv_tensors(self.model.config, spec, self.config.torch_dtype, self.config.device)
         self.block_size = spec.block_size
-        self.fused = _fused_decoder(self.model, self.kv_caches, self.config)
+        fused = _fused_decoder(self.model, self.kv_caches, self.config)
+        self.layer_backend.block_size = spec.block_size
+        self.backends = ([FusedCpuBackend(fused, MAX_FUSED_QUERY_LEN)] if fused is not None else []) + [
+            self.layer_backend]
+
+    @property
+    def fused(self):
+        """The fused C decoder when that backend is in use (None otherwise)."""
+        return next((b.decoder for b in self.backends if isinstance(b, FusedCpuBackend)), None)
 
     def _profile_largest_step(self) -> None:
         """The largest step the scheduler can build, run once for its memory peak: a full
@@ -103,41 +114,39 @@ class ModelRunner:
             ids = torch.zeros(total, dtype=torch.long, device=self.device)
             pos = torch.cat([torch.arange(q, device=self.device) for q in lens])
             rows = torch.tensor(list(itertools.accumulate(lens)), device=self.device) - 1
-            meta = build_attention_metadata(lens, [0] * n, [list(range(blocks))] * n, bs, self.device)
+            meta = self.layer_backend.build_metadata(StepSequences(lens, [0] * n, [list(range(blocks))] * n))
             logits = self.model(ids, pos, [scratch] * mc.num_layers, meta, rows)
             sampler(logits, SamplingBatch([params] * n, [None] * n, [[] for _ in range(n)]))
             del logits
 
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> dict[str, SampledToken]:
-        """Run the step; return the sampled token of every request whose step ends in a sample."""
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> dict[str, list[SampledToken]]:
+        """Run the step; return, per request that samples, its accepted tokens (see step_io)."""
         tokens: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
         for s in sched.scheduled:
             start, end = s.context_len, s.context_len + s.num_new_tokens
-            tokens += s.request.token_ids(start, end)
+            tokens += s.request.token_ids(start, end - len(s.spec_token_ids)) + s.spec_token_ids
             positions += range(start, end)
-            if s.samples:
-                logits_rows.append(len(tokens) - 1)
-        meta = build_attention_metadata([s.num_new_tokens for s in sched.scheduled],
-                                        [s.context_len for s in sched.scheduled],
-                                        [kv.block_table(s.request.request_id) for s in sched.scheduled],
-                                        self.block_size, self.device)
+            logits_rows += range(len(tokens) - s.num_logits_rows, len(tokens))
+        seqs = StepSequences([s.num_new_tokens for s in sched.scheduled],
+                             [s.context_len for s in sched.scheduled],
+                             [kv.block_table(s.request.request_id) for s in sched.scheduled])
+        backend = self.backend_for(seqs)
+        meta = backend.build_metadata(seqs)
         to = dict(dtype=torch.long, device=self.device)
         ids, pos, rows = (torch.tensor(v, **to) for v in (tokens, positions, logits_rows))
-        query_lens = [s.num_new_tokens for s in sched.scheduled]
-        fused = self.fused is not None and self.fused.supports(query_lens)
         # Decode-only steps are timed per shape; prefill chunks vary too much to compare.
-        decode_only = bool(query_lens) and all(q == 1 for q in query_lens)
-        key = (fused, _batch_bucket(len(query_lens))) if decode_only else None
+        decode_only = all(q == 1 for q in seqs.query_lens)
+        key = (backend.name, _batch_bucket(len(seqs.query_lens))) if decode_only else None
         user_threads = torch.get_num_threads()
         threads = self.threads.choose(key) if self.threads.enabled else user_threads
         if threads != user_threads:  # the whole step (sampler too), then the caller's setting back
             torch.set_num_threads(threads)
         try:
             t0 = self.threads.clock()
-            if fused:
-                logits = self.fused(ids, pos, meta.groups[0].kv_blocks, rows, threads)  # all decodes
+            if backend.runs_whole_model:
+                logits = backend.run(ids, pos, meta, rows, threads)
             else:
                 logits = self.model(ids, pos, self.kv_caches, meta, rows)
             sampled = self._sample(sched, logits)
@@ -147,19 +156,34 @@ class ModelRunner:
                 torch.set_num_threads(user_threads)
         return sampled
 
-    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> dict[str, SampledToken]:
-        sampling = [s.request for s in sched.scheduled if s.samples]
+    def backend_for(self, seqs: StepSequences) -> AttentionBackend:
+        """The first backend, in order of preference, that runs this step (torch runs any)."""
+        for backend in self.backends:
+            if backend.unsupported_reason(seqs) is None:
+                return backend
+        raise AssertionError("the torch backend supports every step")
+
+    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> dict[str, list[SampledToken]]:
+        """One draw per logits row (a verify step's k + 1 rows each use the request's own params
+        and generator, in order), then the proposals each request keeps (spec/verify.py)."""
+        sampling = [s for s in sched.scheduled if s.samples]
         if not sampling:
             return {}
+        reqs = [s.request for s in sampling for _ in range(s.num_logits_rows)]
         out = self.sampler(logits, SamplingBatch(
-            params=[r.params for r in sampling],
-            generators=[r.generator for r in sampling],
-            banned_token_ids=[_banned_tokens(r) for r in sampling]))
+            params=[r.params for r in reqs], generators=[r.generator for r in reqs],
+            banned_token_ids=[_banned_tokens(s.request, i) for s in sampling
+                              for i in range(s.num_logits_rows)]))
         # Rows that asked for no logprobs get None (the sampler gives them [] when others asked).
-        return {r.request_id: SampledToken(out.token_ids[i], out.logprobs[i] or None
-                                           if out.logprobs is not None else None,
-                                           out.ranks[i] if out.ranks is not None else None)
-                for i, r in enumerate(sampling)}
+        drawn = [SampledToken(out.token_ids[i], out.logprobs[i] or None if out.logprobs is not None else None,
+                              out.ranks[i] if out.ranks is not None else None) for i in range(len(reqs))]
+        result, row = {}, 0
+        for s in sampling:
+            mine = drawn[row:row + s.num_logits_rows]
+            row += s.num_logits_rows
+            keep = accept_one_hot(s.spec_token_ids, [t.token_id for t in mine]) if s.spec_token_ids else 1
+            result[s.request.request_id] = mine[:keep]
+        return result
 
     def weight_bytes(self) -> int:
         return self.model.weight_bytes()
@@ -172,7 +196,9 @@ def _fused_decoder(model, kv_caches, config: EngineConfig) -> FusedDecoder | Non
     reason, broken = unsupported_reason(model, kv_caches), False
     if reason is None:
         try:
-            fused = FusedDecoder(model, kv_caches, max_batch=config.max_num_seqs)
+            # Scratch in rows (tokens): every seat with a verify step of MAX_FUSED_QUERY_LEN rows.
+            rows = min(config.max_num_batched_tokens, config.max_num_seqs * MAX_FUSED_QUERY_LEN)
+            fused = FusedDecoder(model, kv_caches, max_rows=max(rows, config.max_num_seqs))
             log.info("decode steps run in the fused C kernel (%s)", fused.library_name)
             return fused
         except KernelUnavailable as e:
@@ -191,9 +217,10 @@ def _batch_bucket(batch: int) -> int:
     return batch if batch <= 4 else 1 << (batch - 1).bit_length()
 
 
-def _banned_tokens(req) -> list[int]:
-    """Until ``min_tokens`` are out, the tokens that would stop the request may not be sampled."""
-    if len(req.output_token_ids) >= req.params.min_tokens:
+def _banned_tokens(req, ahead: int = 0) -> list[int]:
+    """Until ``min_tokens`` are out, the tokens that would stop the request may not be sampled
+    (``ahead``: the row's place in a verify step, i.e. outputs it has before that row)."""
+    if len(req.output_token_ids) + ahead >= req.params.min_tokens:
         return []
     stops = list(req.params.stop_token_ids)
     if not req.params.ignore_eos:

@@ -23,10 +23,12 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.clock_offset_s = clock_offset_s  # time.time() - time.perf_counter() at engine start
 
-    def append_token(self, req: Request, token_id: int, logprobs, rank) -> RequestStatus | None:
-        """Record one sampled token; return the finished status if it ends the request."""
+    def append_token(self, req: Request, token_id: int, logprobs, rank,
+                      now: float | None = None) -> RequestStatus | None:
+        """Record one sampled token; return the finished status if it ends the request. Tokens
+        that one step produced together (a verify step) share that step's time ``now``."""
         req.output_token_ids.append(token_id)
-        req.timeline.token_s.append(time.perf_counter())
+        req.timeline.token_s.append(time.perf_counter() if now is None else now)
         if logprobs is not None:
             # Built once per token here, not rebuilt for the whole output at every step.
             req.output_logprobs.append(self._logprob_dict(logprobs, rank))

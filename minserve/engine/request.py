@@ -100,6 +100,11 @@ class Request(_Finishable):
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0
     error: str | None = None             # why it ended with status "error"
+    # Speculative tokens proposed for the next step (not yet part of the output: verification
+    # decides which become final), and where the current prefill ends: computing tokens below
+    # ``prefill_end`` is prefill work (a prompt, or a recompute after preemption), above it decode.
+    spec_token_ids: list[int] = field(default_factory=list)
+    prefill_end: int = 0
     timeline: RequestTimeline = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:

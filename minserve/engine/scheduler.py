@@ -41,46 +41,16 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from typing import Callable
 
 from minserve.config import EngineConfig
 from minserve.engine.kv_cache import KVCacheManager
 from minserve.engine.request import Request, RequestStatus
+from minserve.engine.step_io import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepUpdate
 
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int     # tokens computed for it this step
-    context_len: int        # tokens already in its KV cache before this step
-    samples: bool = False   # reaches the end of its known tokens, so a token is sampled
-
-    def __post_init__(self) -> None:
-        # Fixed at scheduling time: after the step the request has grown by the sampled token.
-        self.samples = self.context_len + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    prefix_cache_queries: int = 0   # tokens of admitted requests looked up in the prefix cache
-    prefix_cache_hits: int = 0      # of those, tokens found cached (prefill work skipped)
-    # Waiting requests that could not even be looked at (e.g. their prefix-cache key raised):
-    # taken out of the queue with the reason, for the engine to fail them alone.
-    failed: list[tuple[Request, str]] = field(default_factory=list)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled if s.num_new_tokens > 1 or not s.samples)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled if s.num_new_tokens == 1 and s.samples)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+# The engine's token consumer: appends accepted tokens to a request (text, stop checks) and returns
+# how many it kept and the finished status if one of them ended the request.
+AppendTokens = Callable[[Request, list], "tuple[int, RequestStatus | None]"]
 
 
 def priority_key(req: Request) -> tuple:
@@ -123,9 +93,15 @@ class PriorityQueue:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int | None = None,
+                 num_lookahead_tokens: int = 0):
         self.config = config
         self.kv = kv
+        # Positions a request may reach (proposals are cut to stay below it) and the KV slots
+        # reserved beyond a sampling request's scheduled tokens, so that the proposals of its next
+        # step find blocks ready (speculative decoding sets it to k).
+        self.max_model_len = max_model_len
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.priority = config.scheduling_policy == "priority"
         self.waiting: deque[Request] | PriorityQueue = PriorityQueue() if self.priority else deque()
         self.running: list[Request] = []      # in admission order: the last is the newest
@@ -170,17 +146,33 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            fits = self._reserve(req, n, out)
+            spec = self._proposals(req, budget)
+            fits = self._reserve(req, n + len(spec), out)
             budget += self._unschedule_preempted(out)
             if fits:
-                out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
-                budget -= n
+                out.scheduled.append(ScheduledRequest(req, n + len(spec), req.num_computed_tokens, spec))
+                budget -= n + len(spec)
         return budget
 
+    def _proposals(self, req: Request, budget: int) -> list[int]:
+        """The proposals a decoding request verifies this step, cut so that the verify step fits
+        the budget whole (never split into chunks), never produces more than ``max_tokens``
+        and never passes ``max_model_len``."""
+        if not req.spec_token_ids or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        k = min(len(req.spec_token_ids), budget - 1, req.max_tokens - req.num_output_tokens - 1)
+        if self.max_model_len is not None:
+            k = min(k, self.max_model_len - req.num_tokens)
+        return req.spec_token_ids[:max(0, k)]
+
     def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
-        """Find KV blocks for ``n`` more tokens of a running request, preempting the newest
-        running requests until they fit. False if ``req`` itself had to be preempted."""
-        while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+        """Find KV blocks for ``n`` more tokens of a running request (plus the lookahead slots
+        when it samples), preempting the newest running requests until they fit. False if
+        ``req`` itself had to be preempted."""
+        end = req.num_computed_tokens + n
+        if end >= req.num_tokens:
+            end += self.num_lookahead_tokens
+        while not self.kv.allocate_slots(req.request_id, end):
             victim = max(self.running, key=priority_key) if self.priority else self.running[-1]
             self._preempt(victim)
             out.preempted.append(victim)
@@ -202,6 +194,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0     # recompute: its K/V is gone (cached blocks may survive)
         req.num_registered_blocks = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         req.timeline.preempted_s.append(time.perf_counter())
         self.num_preemptions += 1
@@ -247,6 +240,7 @@ class Scheduler:
             if not req.timeline.scheduled_s:
                 req.num_cached_tokens = hit
             req.num_computed_tokens = hit
+            req.prefill_end = req.num_tokens
             req.status = RequestStatus.RUNNING
             req.timeline.scheduled_s.append(time.perf_counter())
             self.running.append(req)
@@ -283,6 +277,58 @@ class Scheduler:
             if need() <= self.kv.pool.num_free:
                 break
         return True
+
+    # ---- after the step -------------------------------------------------------------------
+
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput,
+                           append: AppendTokens) -> StepUpdate:
+        """Book a step's results: the one place where token counts move. For each request:
+        advance ``num_computed_tokens`` by what was computed, roll back the rejected proposals,
+        hand the accepted tokens to ``append`` (the engine's output processor), then publish the
+        blocks now full of final tokens to the prefix cache. A request that raises here fails
+        alone (listed in ``failed``); finished ones are listed for the engine to retire."""
+        update = StepUpdate()
+        for s in sched.scheduled:
+            req = s.request
+            why = out.errors.get(req.request_id)
+            if why is not None:
+                update.failed.append((req, why))
+                continue
+            try:
+                self._book(s, out.sampled.get(req.request_id, []), append, update)
+            except Exception as e:  # its own data or output: it fails, the others go on
+                update.failed.append((req, f"{type(e).__name__}: {e}"))
+        return update
+
+    def _book(self, s: ScheduledRequest, tokens: list, append: AppendTokens, update: StepUpdate) -> None:
+        req = s.request
+        req.num_computed_tokens += s.num_new_tokens
+        if s.spec_token_ids:
+            rejected = len(s.spec_token_ids) + 1 - len(tokens)
+            update.num_accepted_spec_tokens += len(tokens) - 1
+            update.num_rejected_spec_tokens += rejected
+            self.rollback(req, rejected)
+        req.spec_token_ids = []
+        status = None
+        if tokens:
+            kept, status = append(req, tokens)
+            update.appended.append((req, kept))
+            # A stop inside the accepted tokens drops the rest: their K/V is not the request's.
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+        self.kv.cache_full_blocks(req)
+        if status is not None:
+            update.finished.append((req, status))
+
+    def rollback(self, req: Request, num_tokens: int) -> None:
+        """Forget the last ``num_tokens`` computed tokens of a request (rejected proposals): its
+        count moves back and blocks left empty return to the pool. Blocks published to the prefix
+        cache hold final tokens only, so a rollback never reaches them."""
+        if num_tokens <= 0:
+            return
+        req.num_computed_tokens -= num_tokens
+        assert req.num_computed_tokens >= req.num_registered_blocks * self.kv.block_size, \
+            "rollback into a block published to the prefix cache"
+        self.kv.trim(req.request_id, req.num_computed_tokens + self.num_lookahead_tokens + 1)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Retire a request (stopped, length, aborted): its blocks return to the pool at once."""

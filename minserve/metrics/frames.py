@@ -2,7 +2,7 @@
 
 The frames are built from the same records the Prometheus metrics come from (request timelines and
 per-step StepStats), so a histogram on the dashboard and a ``df.ttft_s.describe()`` in a notebook
-agree. The latency definitions are those in :mod:`minserve.metrics.prometheus`.
+agree. The latencies come from :mod:`minserve.metrics.latency`, where they are defined.
 
 pandas is imported inside the functions: it is an optional extra for the labs, and the engine must
 import without it.
@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import TYPE_CHECKING, Iterable
+
+from minserve.metrics.latency import timeline_latencies
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -34,8 +36,8 @@ def _rel(t: float | None, t0_s: float) -> float:
     return NAN if t is None else t - t0_s
 
 
-def _diff(a: float | None, b: float | None) -> float:
-    return NAN if a is None or b is None else a - b
+def _nan(v: float | None) -> float:
+    return NAN if v is None else v
 
 
 def requests_frame(requests: Iterable[Request | RequestRecord], t0_s: float) -> pd.DataFrame:
@@ -48,19 +50,21 @@ def requests_frame(requests: Iterable[Request | RequestRecord], t0_s: float) -> 
     Columns:
       request_id; status (``waiting``, ``running``, ``preempted``, ``stop``, ``length``, ``abort``,
       ``error``); finish_reason (the final status, None while unfinished);
-      prompt_tokens, output_tokens; cached_tokens (prompt tokens served from the prefix cache, 0
-      when the request does not record it); num_preemptions;
+      prompt_tokens, output_tokens; cached_tokens (prompt tokens served from the prefix cache);
+      num_preemptions;
       arrival_s, first_scheduled_s, first_token_s, finished_s (events, since t0_s);
       queue_s = first scheduled - arrival; ttft_s = first token - arrival;
       prefill_s = first token - first scheduled; decode_s = last token - first token;
       e2e_s = finished - arrival;
-      tpot_s = (e2e_s - ttft_s) / (output tokens - 1), for two or more tokens (while running, the
-      last token stands in for the finish): this request's mean gap between tokens, so close to
-      itl_mean_s; the pooled ITL histogram instead weights every gap equally, so long requests
-      count more there;
-      itl_mean_s, itl_max_s: mean and largest gap between consecutive tokens (a preemption shows
-      as a large itl_max_s);
-      token_times_s: list of each output token's time, since t0_s.
+      tpot_s = decode_s / (output tokens - 1), for two or more tokens: this request's mean time
+      per token after the first;
+      itl_mean_s, itl_max_s: mean and largest gap between successive emissions (steps that
+      brought tokens; a preemption shows as a large itl_max_s). With one token per step
+      itl_mean_s equals tpot_s; when a step brings several tokens (speculative decoding) it is
+      that many times larger. The pooled ITL histogram weights every gap equally, so long
+      requests count more there;
+      token_times_s: list of each output token's time, since t0_s (tokens of one step repeat it).
+    Definitions: :mod:`minserve.metrics.latency`.
     """
     import pandas as pd
 
@@ -68,37 +72,28 @@ def requests_frame(requests: Iterable[Request | RequestRecord], t0_s: float) -> 
     for req in requests:
         tl = req.timeline
         times = tl.token_s
-        n = len(times)
-        first_sched = tl.first_scheduled_s
-        first_tok = times[0] if n else None
-        last_tok = times[-1] if n else None
-        if n >= 2:
-            gaps = [b - a for a, b in zip(times, times[1:])]
-            itl_mean, itl_max = sum(gaps) / len(gaps), max(gaps)
-            end = tl.finished_s if tl.finished_s is not None else last_tok
-            tpot = (end - first_tok) / (n - 1)  # (E2E - TTFT) / (tokens - 1)
-        else:
-            itl_mean = itl_max = tpot = NAN
+        lat = timeline_latencies(tl)
+        gaps = lat.itls_s
         rows.append({
             "request_id": req.request_id,
             "status": req.status.value,
             "finish_reason": req.finish_reason,
             "prompt_tokens": req.num_prompt_tokens,
             "output_tokens": req.num_output_tokens,
-            "cached_tokens": getattr(req, "num_cached_tokens", 0) or 0,
+            "cached_tokens": req.num_cached_tokens,
             "num_preemptions": req.num_preemptions,
             "arrival_s": tl.arrival_s - t0_s,
-            "first_scheduled_s": _rel(first_sched, t0_s),
-            "first_token_s": _rel(first_tok, t0_s),
+            "first_scheduled_s": _rel(tl.first_scheduled_s, t0_s),
+            "first_token_s": _rel(tl.first_token_s, t0_s),
             "finished_s": _rel(tl.finished_s, t0_s),
-            "queue_s": _diff(first_sched, tl.arrival_s),
-            "ttft_s": _diff(first_tok, tl.arrival_s),
-            "prefill_s": _diff(first_tok, first_sched),
-            "decode_s": _diff(last_tok, first_tok),
-            "e2e_s": _diff(tl.finished_s, tl.arrival_s),
-            "tpot_s": tpot,
-            "itl_mean_s": itl_mean,
-            "itl_max_s": itl_max,
+            "queue_s": _nan(lat.queue_s),
+            "ttft_s": _nan(lat.ttft_s),
+            "prefill_s": _nan(lat.prefill_s),
+            "decode_s": _nan(lat.decode_s),
+            "e2e_s": _nan(lat.e2e_s),
+            "tpot_s": _nan(lat.tpot_s),
+            "itl_mean_s": sum(gaps) / len(gaps) if gaps else NAN,
+            "itl_max_s": max(gaps) if gaps else NAN,
             "token_times_s": [t - t0_s for t in times],
         })
     return pd.DataFrame(rows, columns=REQUEST_COLUMNS)
@@ -116,14 +111,14 @@ def steps_frame(steps: Iterable[StepStats]) -> pd.DataFrame:
       step (index), start_s (seconds since engine start), step_time_s (wall time of the step),
       num_prefill_tokens, num_decode_tokens (tokens computed, by kind), num_running, num_waiting
       (queue lengths after the step), kv_cache_usage (fraction of KV blocks in use after the step,
-      1.0 = full), num_preemptions (in this step), and the prefix-cache token counts of the step
-      when the engine records them —
+      1.0 = full), num_preemptions (in this step), prefix_cache_queries / prefix_cache_hits (prompt
+      tokens looked up / found in the prefix cache in this step), prefill_chunks —
     plus end_s = start_s + step_time_s and tokens = num_prefill_tokens + num_decode_tokens
     (the step's batch size in tokens; tokens / step_time_s is its throughput).
     """
     import pandas as pd
 
-    rows = [dataclasses.asdict(s) if dataclasses.is_dataclass(s) else dict(vars(s)) for s in steps]
+    rows = [dataclasses.asdict(s) for s in steps]
     if not rows:
         # Keep the columns of an empty run so notebook code (df.tokens.sum()) still works.
         return pd.DataFrame(columns=_step_fields() + ["end_s", "tokens"])

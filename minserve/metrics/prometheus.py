@@ -5,16 +5,17 @@ Each :class:`EngineMetrics` owns its own ``CollectorRegistry``: registering on p
 global default registry would make a second engine in the same notebook fail with "Duplicated
 timeseries". Every series carries the label ``model_name``.
 
-How each latency is measured (all from the request's timeline, perf_counter seconds):
+What each latency means is defined once, in :mod:`minserve.metrics.latency`; here is when it is
+observed (all from the request's timeline, perf_counter seconds):
 
-- TTFT (``vllm:time_to_first_token_seconds``): first output token minus arrival. It contains the
-  wait in the queue and the whole prefill, so it is what a user feels before anything appears.
-- ITL (``vllm:inter_token_latency_seconds``): the gap between a token and the one before it of the
-  same request, observed as each token (from the second on) arrives. A preemption shows up here
-  as one long gap (the recompute), which is exactly what the streaming client saw.
-- TPOT (``vllm:request_time_per_output_token_seconds``): (E2E - TTFT) / (output tokens - 1), one
-  value per finished request with at least two tokens. A request retires in the step of its last
-  token, so this is the mean of its ITLs plus that step's bookkeeping.
+- TTFT (``vllm:time_to_first_token_seconds``): in the step that brings a request its first
+  tokens. It contains the wait in the queue and the whole prefill.
+- ITL (``vllm:inter_token_latency_seconds``): once per step that brings a request new tokens after
+  its first: the time since its previous emission. A step that accepts several tokens at once
+  (speculative decoding) is one observation, not several with 0 s between them. A preemption
+  shows up as one long gap (the recompute), which is exactly what the streaming client saw.
+- TPOT (``vllm:request_time_per_output_token_seconds``): (last token - first token) / (output
+  tokens - 1), one value per finished request with at least two tokens.
 - E2E (``vllm:e2e_request_latency_seconds``): finished minus arrival.
 - queue (``vllm:request_queue_time_seconds``): first admission to the running set minus arrival.
 - prefill (``vllm:request_prefill_time_seconds``): first token minus first admission.
@@ -22,11 +23,12 @@ How each latency is measured (all from the request's timeline, perf_counter seco
 
 Token counters: ``vllm:prompt_tokens`` grows by a request's whole prompt length once, when its
 first token appears (like vLLM, prefix-cache hits are included; chunks and recomputes are not
-counted twice); ``vllm:generation_tokens`` grows by one per sampled token. The per-request token
-histograms and the request-level latencies are observed when a request finishes, whatever the
-reason (an aborted request that never got a token observes E2E and, if it was scheduled, queue
-time; the phases it never reached are skipped). ``vllm:iteration_tokens_total`` takes one sample
-per engine step: the prefill plus decode tokens the step computed.
+counted twice); ``vllm:generation_tokens`` grows by the tokens each step appended. The
+per-request token histograms and the request-level latencies are observed when a request
+finishes, whatever the reason (an aborted request that never got a token observes E2E and, if it
+was scheduled, queue time; the phases it never reached are skipped).
+``vllm:iteration_tokens_total`` takes one sample per engine step: the prefill plus decode tokens
+the step computed.
 
 Buckets are vLLM's own boundaries, so SLO rules written against ``le="..."`` series of a vLLM
 server keep meaning the same thing here.
@@ -35,6 +37,8 @@ server keep meaning the same thing here.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from minserve.metrics.latency import step_itl_s, timeline_latencies, ttft_s
 
 # vLLM's boundaries (vllm/v1/metrics/loggers.py). TTFT spans 1 ms .. 43 min; per-token latencies
 # 10 ms .. 80 s (a CPU decode step is ~10-200 ms, so they land in the middle); request-level
@@ -138,33 +142,37 @@ class EngineMetrics:
     def record_step(self, stats, sampled: list, finished: list) -> None:
         """Record one engine step.
 
-        ``stats`` is the step's StepStats; ``sampled`` the requests that got one new output token
-        this step (its time is ``timeline.token_s[-1]``); ``finished`` the requests retired this
-        step (final status, ``timeline.finished_s`` set). A request may be in both lists.
+        ``stats`` is the step's StepStats. ``sampled`` lists the requests that got new output
+        tokens this step, as ``(request, num_new_tokens)`` pairs: those tokens are the last
+        ``num_new_tokens`` of ``request.timeline.token_s``, all stamped with the step's time (a
+        bare request is accepted too and means one token). ``finished`` lists the requests retired
+        this step (final status, ``timeline.finished_s`` set). A request may be in both lists.
         """
         if not self.enabled:
             return
         self.set_gauges(stats.num_running, stats.num_waiting, stats.kv_cache_usage)
         if stats.num_preemptions:
             self._preemptions.inc(stats.num_preemptions)
-        # getattr: older StepStats records have no prefix-cache fields.
-        queries = getattr(stats, "prefix_cache_queries", 0)
-        if queries:
-            self._pc_queries.inc(queries)
-            self._pc_hits.inc(getattr(stats, "prefix_cache_hits", 0))
+        if stats.prefix_cache_queries:
+            self._pc_queries.inc(stats.prefix_cache_queries)
+            self._pc_hits.inc(stats.prefix_cache_hits)
         self._iteration_tokens.observe(stats.num_prefill_tokens + stats.num_decode_tokens)
 
-        if sampled:
-            self._generation_tokens.inc(len(sampled))
-            for req in sampled:
-                times = req.timeline.token_s
-                if len(times) == 1:
-                    # The first token: TTFT, and the prompt is counted now, once. A recompute after
-                    # preemption samples a later token, so it never lands here twice.
-                    self._ttft.observe(times[0] - req.timeline.arrival_s)
-                    self._prompt_tokens.inc(len(req.prompt_token_ids))
-                elif times:
-                    self._itl.observe(times[-1] - times[-2])
+        for item in sampled:
+            # A bare request: the one-token-per-step form, kept while callers move to pairs.
+            req, num_new = item if isinstance(item, tuple) else (item, 1)
+            if num_new < 1:
+                continue
+            self._generation_tokens.inc(num_new)
+            times = req.timeline.token_s
+            itl = step_itl_s(times, num_new)
+            if itl is not None:
+                self._itl.observe(itl)
+            elif times:
+                # Its first tokens: TTFT, and the prompt is counted now, once. A recompute after
+                # preemption keeps the tokens already out, so it never lands here twice.
+                self._ttft.observe(ttft_s(req.timeline.arrival_s, times[0]))
+                self._prompt_tokens.inc(len(req.prompt_token_ids))
         for req in finished:
             self._record_finished(req, req.status.value)
 
@@ -184,27 +192,13 @@ class EngineMetrics:
         self._record_finished(request, "abort")
 
     def _record_finished(self, req, reason: str) -> None:
-        counter = self._success.get(reason)
-        if counter is None:  # not a final status; nothing to record
-            return
-        counter.inc()
-        tl = req.timeline
-        arrival = tl.arrival_s
-        times = tl.token_s
-        end = tl.finished_s if tl.finished_s is not None else (times[-1] if times else None)
-        if end is not None:
-            self._e2e.observe(end - arrival)
-        first_sched = tl.scheduled_s[0] if tl.scheduled_s else None
-        if first_sched is not None:
-            self._queue.observe(first_sched - arrival)
-        n = len(times)
-        if n:
-            first, last = times[0], times[-1]
-            if first_sched is not None:
-                self._prefill.observe(first - first_sched)
-            self._decode.observe(last - first)
-            if n >= 2 and end is not None:
-                self._tpot.observe((end - first) / (n - 1))  # (E2E - TTFT) / (tokens - 1)
+        self._success[reason].inc()
+        lat = timeline_latencies(req.timeline)
+        for hist, value in ((self._e2e, lat.e2e_s), (self._queue, lat.queue_s),
+                            (self._prefill, lat.prefill_s), (self._decode, lat.decode_s),
+                            (self._tpot, lat.tpot_s)):
+            if value is not None:  # a phase the request never reached is not observed
+                hist.observe(value)
         self._req_prompt.observe(len(req.prompt_token_ids))
         self._req_generation.observe(len(req.output_token_ids))
 

@@ -1,7 +1,9 @@
-"""Building blocks of the Llama family: linear layers, RMSNorm, rotary embeddings.
+"""Building blocks of the Llama family: linear layers, embedding, RMSNorm, rotary embeddings.
 
 Every projection goes through :class:`Linear`, the one weight-storage interface of the model, so a
 quantized format replaces it by construction and the roofline reads weight bytes from the layers.
+Layers with weights are built from shapes (possibly on the ``meta`` device, without memory) and
+then loaded through ``load(tensor, shard=None, param="weight")``.
 The arithmetic of RMSNorm and RoPE deliberately follows Hugging Face transformers operation for
 operation: our greedy outputs are checked token for token against it, and fp32 rounding differs
 when the order of operations differs.
@@ -15,39 +17,127 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minserve.models.weights import DENSE, WeightDescriptor, load_rows
+
 
 class Linear(nn.Module):
-    """``y = x @ W.T + b`` over a dense weight; the base that quantized formats replace."""
+    """``y = x @ W.T + b`` over a dense ``[out_features, in_features]`` weight.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    The one weight-storage interface of the model. Built from shapes, then loaded
+    (:meth:`load`); a quantized format replaces a whole ``Linear`` by construction
+    (:func:`minserve.quant.quantize_`) with a module that keeps this contract:
+    ``forward(x [T, in]) -> [T, out]``, ``in_features`` / ``out_features``, :meth:`descriptor`
+    and :meth:`weight_bytes`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # Sizes are kept as plain ints, not read off the weight: a quantized replacement packs its
+        # codes in a format-specific shape, and a meta-built layer has no data yet.
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
 
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Linear":
+        """A loaded layer around existing tensors (tests, experiments); shares their storage."""
+        layer = cls(weight.shape[1], weight.shape[0], bias is not None, weight.dtype, "meta")
+        layer.load(weight)
+        if bias is not None:
+            layer.load(bias, param="bias")
+        return layer
 
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
+    def shard_rows(self, shard: str | None) -> tuple[int, int]:
+        """(first row, row count) of a named shard of the output; a plain layer has none."""
+        if shard is not None:
+            raise ValueError(f"{type(self).__name__} has no shards, got shard={shard!r}")
+        return 0, self.out_features
+
+    def load(self, tensor: torch.Tensor, shard: str | None = None, param: str = "weight") -> None:
+        """Load a checkpoint tensor into ``param`` ("weight" or "bias"), or into one shard's rows.
+
+        Raises ValueError naming the expected shape when the tensor does not fit."""
+        target = self.weight if param == "weight" else self.bias if param == "bias" else None
+        if target is None:
+            raise ValueError(f"{type(self).__name__} has no {param!r} to load")
+        first, rows = self.shard_rows(shard)
+        if tensor.shape[0] != rows:
+            where = f"shard {shard!r} of " if shard else ""
+            raise ValueError(f"expected {rows} rows for {where}{param} "
+                             f"[{self.out_features} x {self.in_features}], got {tuple(tensor.shape)}")
+        load_rows(target, tensor, first)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def descriptor(self) -> WeightDescriptor:
+        """What the weight is (format, shapes, tensors), for kernels that bind it directly."""
+        return WeightDescriptor(DENSE, self.in_features, self.out_features, self.weight.data,
+                                None if self.bias is None else self.bias.data)
+
     def weight_bytes(self) -> int:
         """Bytes this layer streams from memory per forward pass (the roofline's numerator)."""
-        n = self.weight.numel() * self.weight.element_size()
-        if self.bias is not None:
-            n += self.bias.numel() * self.bias.element_size()
-        return n
+        return self.descriptor().nbytes
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input stacked by rows: one GEMM instead of several.
+
+    q/k/v (``shards={"q": 576, "k": 192, "v": 192}``) and gate/up are merged this way. The
+    checkpoint stores each projection apart; ``load(tensor, shard="k")`` writes it into its rows
+    (vLLM's stacked-parameter loading), so the model never concatenates raw tensors itself.
+    """
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+        super().__init__(in_features, sum(shards.values()), bias, dtype, device)
+        self.shards: dict[str, tuple[int, int]] = {}
+        first = 0
+        for name, rows in shards.items():
+            self.shards[name] = (first, rows)
+            first += rows
+
+    def shard_rows(self, shard: str | None) -> tuple[int, int]:
+        if shard not in self.shards:
+            raise ValueError(f"shard must be one of {', '.join(self.shards)}; got {shard!r}")
+        return self.shards[shard]
+
+
+class Embedding(nn.Module):
+    """Token id -> row of a ``[vocab, hidden]`` table. Only the looked-up rows are read, which is
+    why a quantization scheme leaves it dense even when it quantizes the (tied) LM head."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+    def load(self, tensor: torch.Tensor, shard: str | None = None, param: str = "weight") -> None:
+        load_rows(self.weight, tensor)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, {self.weight.shape[1]}"
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
+
+    def load(self, tensor: torch.Tensor, shard: str | None = None, param: str = "weight") -> None:
+        load_rows(self.weight, tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:

@@ -14,17 +14,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from minserve.attention import AttentionMetadata, TorchPagedAttention
-from minserve.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+from minserve.models.layers import Embedding, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope
 from minserve.models.registry import ModelConfig
 
 
+# Checkpoint projections that we store stacked in one merged layer: one GEMM instead of several
+# (vLLM's stacked_params_mapping). Checkpoint name -> (our module, shard of its output rows).
+STACKED = {"self_attn.q_proj": ("self_attn.qkv_proj", "q"), "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+           "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+           "mlp.gate_proj": ("mlp.gate_up_proj", "gate"), "mlp.up_proj": ("mlp.gate_up_proj", "up")}
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, qkv: Linear, o_proj: Linear):
+    def __init__(self, cfg: ModelConfig, dtype=None, device=None):
         super().__init__()
-        self.qkv_proj, self.o_proj = qkv, o_proj  # q, k and v fused: one GEMM instead of three
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # Only q/k/v carry a bias (Qwen2); a checkpoint with an o_proj bias is refused at loading.
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+                                     cfg.attention_bias, dtype, device)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, dtype, device)
         self.attn = TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
@@ -38,10 +48,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, gate_up: Linear, down: Linear):
+    def __init__(self, cfg: ModelConfig, dtype=None, device=None):
         super().__init__()
-        self.gate_up_proj, self.down_proj = gate_up, down  # gate and up fused: one GEMM
-        self.inter = down.in_features
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": self.inter, "up": self.inter},
+                                         False, dtype, device)
+        self.down_proj = Linear(self.inter, cfg.hidden_size, False, dtype, device)
 
     def forward(self, x):
         gate, up = self.gate_up_proj.forward(x).split(self.inter, dim=-1)
@@ -49,10 +61,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, attn: LlamaAttention, mlp: LlamaMLP, ln1: RMSNorm, ln2: RMSNorm):
+    def __init__(self, cfg: ModelConfig, dtype=None, device=None):
         super().__init__()
-        self.self_attn, self.mlp = attn, mlp
-        self.input_layernorm, self.post_attention_layernorm = ln1, ln2
+        self.self_attn, self.mlp = LlamaAttention(cfg, dtype, device), LlamaMLP(cfg, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
     def forward(self, h, cos, sin, kv_cache, meta):
         # Submodules' forward is called directly: nn.Module.__call__ (hooks) costs microseconds
@@ -62,33 +75,90 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int):
+    """Built from the config, then loaded from a Hugging Face state dict (:meth:`load_weights`).
+
+    ``LlamaForCausalLM(cfg, weights, max_positions)`` does both: the layers are built on the
+    ``meta`` device (no memory) and loading *adopts* the checkpoint tensors (in ``dtype``, by
+    default the checkpoint's), so the model never holds a second full copy of its weights; only
+    the merged q/k/v and gate/up layers are fresh tensors. ``LlamaForCausalLM(cfg)`` builds
+    uninitialized parameters on ``device`` for a later :meth:`load_weights`, which copies into them.
+
+    The LM head is tied to the embedding when the config says so, or when a checkpoint given here
+    has no ``lm_head.weight`` (transformers ties by default). Tied means the *same* Parameter
+    object: ``.to(dtype)`` converts each Parameter once, so a bf16 model keeps one table, not two.
+    A quantization scheme may untie it (``minserve.quant``, the ``lm_head`` policy).
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor] | None = None,
+                 max_positions: int | None = None, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
         super().__init__()
         self.config = cfg
-        w = weights.get
-        self.embed_tokens = nn.Embedding.from_pretrained(weights["model.embed_tokens.weight"], freeze=True)
-        self.layers = nn.ModuleList([self._layer(cfg, w, i) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(weights["model.norm.weight"], cfg.rms_norm_eps)
-        if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = Linear(self.embed_tokens.weight.data)
-            # The same Parameter object, not just the same storage: .to(dtype) converts each
-            # Parameter once, so a bf16 model keeps one table instead of two.
+        if weights is not None:
+            device = "meta"
+            dtype = dtype or _checkpoint_dtype(weights)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+        if cfg.tie_word_embeddings or (weights is not None and "lm_head.weight" not in weights):
             self.lm_head.weight = self.embed_tokens.weight
-        else:
-            self.lm_head = Linear(weights["lm_head.weight"])
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
+                                      cfg.rope_theta, cfg.rope_scaling)
+        if weights is not None:
+            self.load_weights(weights)
 
-    @staticmethod
-    def _layer(cfg: ModelConfig, w, i: int) -> LlamaDecoderLayer:
-        p = f"model.layers.{i}."
-        qkv_w = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-        qkv_b = (torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-                 if w(p + "self_attn.q_proj.bias") is not None else None)
-        attn = LlamaAttention(cfg, Linear(qkv_w, qkv_b), Linear(w(p + "self_attn.o_proj.weight")))
-        gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
-        mlp = LlamaMLP(Linear(gate_up), Linear(w(p + "mlp.down_proj.weight")))
-        return LlamaDecoderLayer(attn, mlp, RMSNorm(w(p + "input_layernorm.weight"), cfg.rms_norm_eps),
-                                 RMSNorm(w(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps))
+    def use_attention(self, backend) -> None:
+        """Let every layer attend through a per-layer attention backend (attention/backend.py):
+        the torch reference by default; a Triton backend on CUDA plugs in here."""
+        for layer in self.layers:
+            a = layer.self_attn
+            a.attn = backend.layer_attention(a.num_heads, a.num_kv_heads, a.head_dim)
+
+    @property
+    def tied(self) -> bool:
+        """Whether the LM head reads the embedding table itself (the same Parameter)."""
+        return isinstance(self.lm_head, Linear) and self.lm_head.weight is self.embed_tokens.weight
+
+    def checkpoint_layout(self) -> dict[str, tuple[nn.Module, str | None, str]]:
+        """Hugging Face tensor name -> (our module, shard, "weight" | "bias"): every tensor we expect."""
+        layout: dict[str, tuple[nn.Module, str | None, str]] = {
+            "model.embed_tokens.weight": (self.embed_tokens, None, "weight"),
+            "model.norm.weight": (self.norm, None, "weight")}
+        if not self.tied:
+            layout["lm_head.weight"] = (self.lm_head, None, "weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            for hf, (ours, shard) in STACKED.items():
+                layout[f"{p}{hf}.weight"] = (layer.get_submodule(ours), shard, "weight")
+                if hf.startswith("self_attn.") and self.config.attention_bias:
+                    layout[f"{p}{hf}.bias"] = (layer.get_submodule(ours), shard, "bias")
+            for name in ("self_attn.o_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"):
+                layout[f"{p}{name}.weight"] = (layer.get_submodule(name), None, "weight")
+        return layout
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load a Hugging Face state dict into the built layers.
+
+        Every expected tensor must be there with its shape, and every tensor given must have a
+        place: otherwise a ValueError names the tensors, before anything is loaded. Tensors are
+        copied into real parameters, or adopted by ``meta`` ones (see ``weights.load_rows``)."""
+        layout = self.checkpoint_layout()
+        swapped = [n for n, (m, _, _) in layout.items() if not isinstance(m, (Linear, Embedding, RMSNorm))]
+        if swapped:
+            raise ValueError(f"cannot load {swapped[0]} into a {type(layout[swapped[0]][0]).__name__}: "
+                             "a quantized model cannot load dense weights; load weights before quantize_()")
+        ignored = {n for n in weights if n.endswith("rotary_emb.inv_freq")}  # older checkpoints' buffers
+        if self.tied:
+            ignored.add("lm_head.weight")  # some tied checkpoints store the head anyway; it is unused
+        _check_names(layout, set(weights) - ignored)
+        for name, (module, shard, param) in layout.items():
+            expect = _expected_shape(module, shard, param)
+            if tuple(weights[name].shape) != expect:
+                raise ValueError(f"weight {name} has shape {tuple(weights[name].shape)}, "
+                                 f"the model config expects {expect}")
+        for name, (module, shard, param) in layout.items():
+            module.load(weights[name], shard, param)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -103,8 +173,34 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(h).float()
 
     def weight_bytes(self) -> int:
-        """Bytes of weights read per forward pass: every linear layer, the norms and the
-        embedding rows (tiny); the tied LM head is counted once, as a matrix it streams whole."""
-        linear = sum(m.weight_bytes() for m in self.modules() if isinstance(m, Linear))
+        """Bytes of weights read per forward pass: every linear layer as its descriptor counts it
+        (dense or quantized: data, scales, zero points, bias), the norms, and the embedding rows
+        (tiny, not counted); a tied LM head is counted once, as a matrix it streams whole."""
+        # Any module with a descriptor() is a weight layer: a dense Linear or its quantized replacement.
+        linear = sum(m.descriptor().nbytes for m in self.modules() if callable(getattr(m, "descriptor", None)))
         norms = sum(m.weight.numel() * m.weight.element_size() for m in self.modules() if isinstance(m, RMSNorm))
         return linear + norms
+
+
+def _checkpoint_dtype(weights: dict[str, torch.Tensor]) -> torch.dtype:
+    # The embedding's dtype stands for the checkpoint's: adopting tensors as they are avoids a copy.
+    emb = weights.get("model.embed_tokens.weight")
+    return emb.dtype if emb is not None and emb.is_floating_point() else torch.get_default_dtype()
+
+
+def _expected_shape(module: nn.Module, shard: str | None, param: str) -> tuple[int, ...]:
+    if isinstance(module, Linear):
+        rows = module.shard_rows(shard)[1]
+        return (rows, module.in_features) if param == "weight" else (rows,)
+    return tuple(module.weight.shape)
+
+
+def _check_names(layout: dict, given: set[str]) -> None:
+    missing, unexpected = sorted(set(layout) - given), sorted(given - set(layout))
+    if missing or unexpected:
+        def show(names):
+            return ", ".join(names[:5]) + (f" (and {len(names) - 5} more)" if len(names) > 5 else "")
+        parts = ([f"missing {len(missing)} tensor(s): {show(missing)}"] if missing else []) + (
+            [f"unexpected {len(unexpected)} tensor(s), which this model has no place for "
+             f"(an unsupported variant?): {show(unexpected)}"] if unexpected else [])
+        raise ValueError("checkpoint does not match the model config: " + "; ".join(parts))

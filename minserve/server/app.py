@@ -114,8 +114,6 @@ async def next_item(q: asyncio.Queue, st: ServerState, request: Request | None =
 async def _stream(q: asyncio.Queue, p: Prepared, st: ServerState, flight: _Flight):
     fmt = StreamFormatter(p)
     try:
-        for chunk in fmt.start():
-            yield chunk
         while True:
             item = await next_item(q, st)
             if isinstance(item, RequestFailed):

@@ -234,6 +234,7 @@ class StreamFormatter:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.text_offset = 0
+        self.opened = False  # the chat role chunk was sent
         self.object = "chat.completion.chunk" if p.kind == "chat" else "text_completion"
 
     def _chunk(self, choices: list, **extra) -> str:
@@ -241,13 +242,19 @@ class StreamFormatter:
                     "model": self.p.model, "choices": choices, **extra})
 
     def start(self) -> list[str]:
-        # OpenAI opens a chat stream with the role, before any content.
-        if self.p.kind != "chat":
+        # OpenAI opens a chat stream with the role, before any content. Sent with the first
+        # output, as vLLM does: benchmark clients (vLLM's bench serve among them) start TTFT at
+        # the first chunk with choices, so a role chunk sent at once would make TTFT read ~0.
+        if self.p.kind != "chat" or self.opened:
             return []
+        self.opened = True
         return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])]
 
     def delta(self, out: RequestOutput) -> list[str]:
+        return self.start() + self._delta(out)
+
+    def _delta(self, out: RequestOutput) -> list[str]:
         c = out.outputs[0]
         self.completion_tokens += len(c.token_ids)
         self.cached_tokens = out.num_cached_tokens  # fixed when the request was first scheduled

@@ -1,0 +1,74 @@
+"""How a step's attention is computed: one interface, several backends.
+
+The runner describes a step as :class:`StepSequences` (per sequence: new tokens, cached tokens,
+block table). Each backend builds its *own* metadata from that, so none has to read another's:
+- ``torch``: the PyTorch reference (attention/torch_paged.py), any step, any device;
+- ``fused-cpu``: the fused C step (attention/fused_cpu.py), which runs the whole model for steps of
+  a few tokens per sequence (decodes, speculative verification) on CPU in float32;
+- a Triton backend for CUDA plugs in beside them (kernels/triton/).
+
+The runner asks the backends in order of preference and uses the first whose
+:meth:`AttentionBackend.unsupported_reason` is None; ``torch`` supports every step, so it is last.
+A backend either provides the per-layer attention that the PyTorch model calls
+(``runs_whole_model = False``), or runs the whole forward pass itself (``True``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from minserve.attention.metadata import AttentionMetadata, build_attention_metadata
+from minserve.attention.torch_paged import TorchPagedAttention
+
+
+@dataclass
+class StepSequences:
+    """A step as attention sees it, sequence by sequence, in the order of the flat batch."""
+    query_lens: list[int]            # new tokens (1 decode, k + 1 verify, n prefill chunk)
+    context_lens: list[int]          # tokens already in the KV cache
+    block_tables: list[list[int]]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+
+class AttentionBackend(ABC):
+    name: str
+    runs_whole_model = False
+
+    def unsupported_reason(self, seqs: StepSequences) -> str | None:
+        """Why this backend cannot run the step (None: it can)."""
+        return None
+
+    @abstractmethod
+    def build_metadata(self, seqs: StepSequences):
+        """What the backend needs per step, built once and shared by every layer."""
+
+    def layer_attention(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        """For backends that run inside the model: the per-layer op, called as
+        ``op(q, k, v, k_cache, v_cache, metadata)`` (LlamaForCausalLM.use_attention installs it)."""
+        raise NotImplementedError(f"the {self.name} backend runs the whole model")
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata,
+            logits_indices: torch.Tensor, num_threads: int) -> torch.Tensor:
+        """Only for ``runs_whole_model`` backends: the forward pass, returning fp32 logits."""
+        raise NotImplementedError(f"the {self.name} backend runs inside the model")
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """The reference: gathers blocks and calls SDPA per group of equal query lengths."""
+    name = "torch"
+
+    def __init__(self, block_size: int, device: torch.device | str):
+        self.block_size, self.device = block_size, device
+
+    def layer_attention(self, num_heads: int, num_kv_heads: int, head_dim: int) -> TorchPagedAttention:
+        return TorchPagedAttention(num_heads, num_kv_heads, head_dim)
+
+    def build_metadata(self, seqs: StepSequences) -> AttentionMetadata:
+        return build_attention_metadata(seqs.query_lens, seqs.context_lens, seqs.block_tables,
+                                        self.block_size, self.device)

@@ -1,0 +1,46 @@
+"""The fused C step as an attention backend (CPU, float32, a few tokens per sequence).
+
+It runs the whole forward pass in C (kernels/decode.c), so it builds the metadata that kernel
+reads: one position and one block-table row per token. The rows of one sequence share its table
+and sit at consecutive positions; the kernel writes every row's K/V before any row attends, so a
+verify step's k + 1 rows see each other causally, exactly as the PyTorch path computes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minserve.attention.backend import AttentionBackend, StepSequences
+from minserve.kernels.decode import rows_block_tables
+
+
+@dataclass
+class FusedStepMetadata:
+    block_tables: torch.Tensor   # [num_tokens, max_blocks] int64: each token's sequence's table
+
+
+class FusedCpuBackend(AttentionBackend):
+    name = "fused-cpu"
+    runs_whole_model = True
+
+    def __init__(self, decoder, max_query_len: int):
+        self.decoder = decoder                # kernels.decode.FusedDecoder, bound to model and cache
+        self.max_query_len = max_query_len    # rows per sequence it takes (1 + proposals)
+
+    def unsupported_reason(self, seqs: StepSequences) -> str | None:
+        if not seqs.query_lens:
+            return "empty step"
+        if max(seqs.query_lens) > self.max_query_len:
+            return f"a sequence has {max(seqs.query_lens)} new tokens (a prefill chunk); at most " \
+                   f"{self.max_query_len} run fused"
+        if not self.decoder.supports(seqs.query_lens):
+            return f"{seqs.num_tokens} tokens exceed the kernel's scratch of {self.decoder.max_rows} rows"
+        return None
+
+    def build_metadata(self, seqs: StepSequences) -> FusedStepMetadata:
+        return FusedStepMetadata(rows_block_tables(seqs.query_lens, seqs.block_tables))
+
+    def run(self, input_ids, positions, metadata: FusedStepMetadata, logits_indices, num_threads):
+        return self.decoder(input_ids, positions, metadata.block_tables, logits_indices, num_threads)

@@ -1,0 +1,28 @@
+"""Which proposed tokens a verify step keeps.
+
+A verify step computes the model's logits at the last token and at each of the k proposals, and
+the sampler draws one token per row with the request's own parameters (and generator). Row i's
+token is what the model would have produced after the proposals before it. The rule: keep
+proposals while each equals the token drawn at its row; the first row that disagrees contributes
+its own draw instead, and if all k agree, the last row's draw is a bonus token.
+
+Why this is exact for proposals that carry no distribution (n-gram lookup, an oracle): treat the
+proposal d as one-hot. Rejection sampling accepts d with probability min(1, p(d) / 1) = p(d) and
+otherwise samples from p with d removed and renormalized. Drawing x ~ p and keeping d iff x == d
+gives exactly that: P(keep) = p(d), and a rejected x is p restricted to x != d. Greedy rows are
+the special case p = one-hot(argmax). Proposals that come with a draft distribution need the
+general rule (min(1, p/q) and the residual max(0, p - q)); that lives beside this one.
+"""
+
+from __future__ import annotations
+
+
+def accept_one_hot(proposals: list[int], drawn: list[int]) -> int:
+    """How many rows' draws the request keeps: ``drawn`` has one token per row (len(proposals) + 1);
+    the answer n (1 <= n <= k + 1) means ``drawn[:n]`` are its new tokens, the first n - 1 of them
+    equal to the proposals they confirmed."""
+    assert len(drawn) == len(proposals) + 1, "one drawn token per proposal, plus the bonus row"
+    n = 0
+    while n < len(proposals) and drawn[n] == proposals[n]:
+        n += 1
+    return n + 1
