@@ -8,16 +8,17 @@ def _kernels_from_checkout() -> None:
     """``minserve.kernels`` is the repository's top-level ``kernels/`` (pyproject.toml maps it).
     A wheel or an editable install knows the mapping; a bare checkout on sys.path (a ``python``
     started in the repository before any install) does not, so there it is loaded from
-    ``../kernels`` here, before anything imports it."""
+    ``../kernels`` here, before anything imports it. A checkout's own ``../kernels`` also wins
+    over an installed mapping, so a second checkout on ``PYTHONPATH`` (a before/after benchmark)
+    never pairs its Python with another copy's kernels. ``decode.c`` marks the directory as
+    ours (Hugging Face's ``kernels`` package may sit next to an installed minserve)."""
     import importlib.util
     import sys
     from pathlib import Path
     name = f"{__name__}.kernels"
-    if importlib.util.find_spec(name) is not None:
-        return
     init = Path(__file__).resolve().parent.parent / "kernels" / "__init__.py"
-    if not init.is_file():
-        return
+    if not (init.parent / "decode.c").is_file():
+        return  # an installed package: its own mapping finds minserve.kernels
     spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

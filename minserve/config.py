@@ -26,8 +26,9 @@ DEFAULT_CPU_KV_CACHE_MEMORY = "1GiB"
 
 def cache_dir() -> Path:
     """Where converted models, compiled kernels and machine probes live: ``$MINSERVE_CACHE``, else
-    ``~/.cache/minserve`` (read at each call, so a test or ``minserve prepare`` can redirect it)."""
-    return Path(os.environ.get("MINSERVE_CACHE", Path.home() / ".cache" / "minserve"))
+    ``~/.cache/minserve`` (read at each call, so a test or ``minserve prepare`` can redirect it).
+    An empty ``MINSERVE_CACHE=`` counts as unset: it must not become the current directory."""
+    return Path(os.environ.get("MINSERVE_CACHE") or Path.home() / ".cache" / "minserve")
 
 
 def parse_bytes(value: int | str, field: str = "kv_cache_memory") -> int:
