@@ -159,6 +159,28 @@ def test_observed_steps_move_the_rates():
     ac.observe_step(0.3, num_prefill_tokens=100, num_decode_tokens=0)
     assert ac.prefill_s_per_token == pytest.approx((0.001 + 0.003) / 2)
     assert ac.decode_s_per_step == pytest.approx(0.06)
+    assert ac.decode_tokens_per_step == 1.0                        # one token per request per step
+
+
+def test_speculative_steps_count_tokens_gained_not_rows():
+    """A verify step computes a decoding request's last token plus its proposals (all counted in
+    num_decode_tokens) and brings it 1 + its accepted proposals: the model counts output tokens."""
+    ac = controller(ewma_alpha=1.0, parallel_slots=4, prior_prefill_s_per_token=0.001,
+                    prior_decode_s_per_step=0.1)
+    # 4 requests verify 3 proposals each (16 rows); 8 proposals accepted: 3 tokens per request.
+    ac.observe_step(0.06, num_prefill_tokens=0, num_decode_tokens=16, num_spec_tokens=12,
+                    num_accepted_spec_tokens=8)
+    assert ac.decode_s_per_step == pytest.approx(0.06)
+    assert ac.decode_tokens_per_step == pytest.approx(3.0)
+    assert ac.decode_s_per_token == pytest.approx(0.02)
+    assert ac.predict_s(ticket(prompt=10, max_tokens=30)) == pytest.approx(0.01 + 30 * 0.02)
+    ac.observe_running([(0, 60)] * 4)              # every seat busy for 60 tokens x 20 ms
+    assert ac.predict_s(ticket(prompt=10, max_tokens=30)) == pytest.approx(1.2 + 0.01 + 0.6)
+    # Prefill rows and verify rows share a mixed step's time alike.
+    ac.observe_step(0.2, num_prefill_tokens=84, num_decode_tokens=16, num_spec_tokens=12,
+                    num_accepted_spec_tokens=0)
+    assert ac.prefill_s_per_token == pytest.approx(0.002)
+    assert ac.decode_tokens_per_step == pytest.approx(1.0) and ac.decode_s_per_token == pytest.approx(0.2)
 
 
 def test_draining_rejects_with_503():

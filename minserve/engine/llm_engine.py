@@ -187,7 +187,8 @@ class LLMEngine:
                 failed.append((req, f"{type(e).__name__}: {e}"))
         for req, why in failed:
             self._fail(req, why, outputs, finished)
-        stats = self._record_step(t0, sched, self.scheduler.num_preemptions - preempted_before)
+        stats = self._record_step(t0, sched, self.scheduler.num_preemptions - preempted_before,
+                                  update.num_accepted_spec_tokens)
         self.metrics.record_step(stats, [(r, n) for r, n in update.appended if r.error is None], finished)
         return outputs
 
@@ -258,7 +259,7 @@ class LLMEngine:
         if self._records.maxlen:
             self._records.append(RequestRecord.of(req))
 
-    def _record_step(self, t0: float, sched, preemptions: int) -> StepStats:
+    def _record_step(self, t0: float, sched, preemptions: int, accepted: int = 0) -> StepStats:
         now = time.perf_counter()
         self.num_steps += 1
         self.step_stats.append(StepStats(
@@ -267,6 +268,7 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.kv.usage, num_preemptions=preemptions,
             prefix_cache_queries=sched.prefix_cache_queries, prefix_cache_hits=sched.prefix_cache_hits,
+            num_spec_tokens=sched.num_spec_tokens, num_accepted_spec_tokens=accepted,
             prefill_chunks=tuple((s.request.request_id, s.context_len, s.num_new_tokens)
                                  for s in sched.scheduled if s.is_prefill)))
         return self.step_stats[-1]

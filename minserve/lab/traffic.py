@@ -22,6 +22,12 @@ Outcomes (``TrafficResult.requests.outcome``):
   ``deadline_exceeded``; for a stream, an error event carrying that code);
 - ``gave up``: the client stopped waiting after ``patience_s`` (a user closing the tab);
 - ``error``: anything else (the message is in ``error``).
+
+An answered request's ``ttft_s``, ``tpot_s`` and ``e2e_s`` are the bench client's, from the same
+stream fold (:mod:`minserve.bench.client`, definitions in :mod:`minserve.metrics.latency`): TTFT
+to the first chunk carrying output, E2E to the last chunk carrying choices (not the stream's
+close, which follows the usage chunk), TPOT = (E2E - TTFT) / (output tokens - 1). For the other
+outcomes ``e2e_s`` is how long the client waited for what it got.
 """
 
 from __future__ import annotations
@@ -174,9 +180,9 @@ class _Record:
     error_code: str | None = None
     retry_after_s: float = math.nan
     ttft_s: float = math.nan
+    tpot_s: float = math.nan
     e2e_s: float = math.nan
     output_tokens: int = 0
-    token_times: list = field(default_factory=list)
     error: str = ""
 
     @property
@@ -184,10 +190,28 @@ class _Record:
         return self.send_s + self.e2e_s
 
 
+def _answered(rec: _Record, stream) -> None:
+    """Fill an answered request's latencies from its stream, as the bench client does (same
+    emissions, TTFT, E2E to the last chunk carrying choices, TPOT; definitions in
+    :mod:`minserve.bench.metrics` and :mod:`minserve.metrics.latency`)."""
+    from minserve.bench.metrics import output_len, request_tpot
+    stream.finish()
+    bench = stream.rec
+    if not bench.success:  # a 200 whose stream never carried a completion chunk
+        rec.error = bench.error
+        return
+    n = output_len(bench)
+    tpot = request_tpot(bench, n)
+    rec.outcome, rec.output_tokens = "ok", n
+    rec.ttft_s, rec.e2e_s = bench.ttft, bench.latency
+    rec.tpot_s = math.nan if tpot is None else tpot
+
+
 async def _send(client, url: str, model: str, call: Call, t0: float, patience_s: float | None) -> _Record:
     import json
 
-    from minserve.bench.client import SSEReader
+    from minserve.bench.client import SSEReader, _Stream
+    from minserve.bench.metrics import RequestRecord
 
     rec = _Record(call)
     payload = {"model": model, "prompt": call.prompt, "max_tokens": call.max_tokens,
@@ -196,12 +220,15 @@ async def _send(client, url: str, model: str, call: Call, t0: float, patience_s:
     start = time.perf_counter()
     rec.send_s = start - t0
 
+    def since_start() -> float:
+        return time.perf_counter() - start
+
     async def talk():
         async with client.stream("POST", url, json=payload, headers=call.headers()) as resp:
             rec.status = resp.status_code
             if resp.status_code != 200:
                 body = (await resp.aread()).decode("utf-8", "replace")
-                rec.e2e_s = time.perf_counter() - start
+                rec.e2e_s = since_start()
                 try:
                     err = json.loads(body).get("error") or {}
                 except ValueError:
@@ -212,30 +239,32 @@ async def _send(client, url: str, model: str, call: Call, t0: float, patience_s:
                 rec.outcome = ("shed" if resp.status_code in (429, 503) else
                                "expired" if resp.status_code == 504 else "error")
                 return
-            reader = SSEReader()
+            # The bench client's reader and fold; only an error event is read here first, for
+            # its code (the bench client just fails the request).
+            reader, stream = SSEReader(), _Stream(RequestRecord(start_time=start), chat=False)
+
+            def on_event(event: str) -> bool:
+                now = time.perf_counter()
+                if event.strip() != "[DONE]":
+                    err = json.loads(event).get("error")
+                    if err:
+                        rec.error_code, rec.error = err.get("code"), err.get("message", "")
+                        rec.outcome = "expired" if rec.error_code == "deadline_exceeded" else "error"
+                        rec.status = 504 if rec.outcome == "expired" else 500
+                        rec.e2e_s = now - start
+                        return False
+                stream.on_event(event, now)
+                return True
+
             async for line in resp.aiter_lines():
                 event = reader.feed(line)
-                if event is None or event.strip() == "[DONE]":
-                    continue
-                data = json.loads(event)
-                now = time.perf_counter()
-                if data.get("error"):
-                    err = data["error"]
-                    rec.error_code, rec.error = err.get("code"), err.get("message", "")
-                    rec.outcome = "expired" if rec.error_code == "deadline_exceeded" else "error"
-                    rec.status = 504 if rec.outcome == "expired" else 500
-                    rec.e2e_s = now - start
+                if event is not None and not on_event(event):
                     return
-                usage = data.get("usage")
-                if usage and usage.get("completion_tokens") is not None:
-                    rec.output_tokens = int(usage["completion_tokens"])
-                choices = data.get("choices") or []
-                if choices and choices[0].get("text"):
-                    rec.token_times.append(now - start)
-                    if math.isnan(rec.ttft_s):
-                        rec.ttft_s = now - start
-            rec.e2e_s = time.perf_counter() - start
-            rec.outcome = "ok"
+            tail = reader.flush()  # a server may close without the final blank line
+            if tail is not None and not on_event(tail):
+                return
+            rec.e2e_s = since_start()  # replaced by the E2E of the answer, if there is one
+            _answered(rec, stream)
 
     try:
         if patience_s is None:
@@ -243,10 +272,10 @@ async def _send(client, url: str, model: str, call: Call, t0: float, patience_s:
         else:
             await asyncio.wait_for(talk(), patience_s)
     except asyncio.TimeoutError:
-        rec.outcome, rec.e2e_s = "gave up", time.perf_counter() - start
+        rec.outcome, rec.e2e_s = "gave up", since_start()
         rec.error = f"no complete answer within the client's patience of {patience_s:g} s"
     except Exception as e:  # noqa: BLE001 - every failure becomes a record, never a crash
-        rec.outcome, rec.e2e_s = "error", time.perf_counter() - start
+        rec.outcome, rec.e2e_s = "error", since_start()
         rec.error = f"{type(e).__name__}: {e}"
     return rec
 
@@ -365,13 +394,11 @@ def _frame(recs: list[_Record]) -> "Any":
     rows = []
     for r in recs:
         c = r.call
-        n = r.output_tokens or len(r.token_times)
-        tpot = ((r.e2e_s - r.ttft_s) / (n - 1) if r.outcome == "ok" and n > 1 else math.nan)
         rows.append({"label": c.label, "priority_class": c.priority_class or "interactive",
                      "send_s": r.send_s, "status": r.status, "outcome": r.outcome,
                      "error_code": r.error_code, "retry_after_s": r.retry_after_s,
-                     "ttft_s": r.ttft_s, "tpot_s": tpot, "e2e_s": r.e2e_s, "finish_s": r.finish_s,
-                     "prompt_tokens": c.prompt_tokens, "output_tokens": n,
+                     "ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "e2e_s": r.e2e_s, "finish_s": r.finish_s,
+                     "prompt_tokens": c.prompt_tokens, "output_tokens": r.output_tokens,
                      "deadline_ms": c.deadline_ms, "error": r.error})
     return pd.DataFrame(rows, columns=COLUMNS)
 

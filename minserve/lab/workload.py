@@ -333,7 +333,10 @@ def _run_engine(engine, requests, settings, liverun, name) -> RunResult:
     steps = engine.steps_frame()
     steps = steps[steps.step >= first_step].reset_index(drop=True)
     steps["t_s"] = steps["start_s"] - shift
-    steps["batch"] = steps["num_decode_tokens"] + steps["prefill_chunks"].map(len)
+    # Requests in the step: one decode row per decoding request once the proposals verified with
+    # it (speculative decoding) are taken out, plus one per prefill chunk.
+    steps["batch"] = (steps["num_decode_tokens"] - steps["num_spec_tokens"]
+                      + steps["prefill_chunks"].map(len))
     frame, timelines = _engine_requests(engine, observed.ids, requests, shift, steps)
     state = _state_from_steps(steps)
     result = RunResult(name=name, target="engine", requests=frame, state=state, summary=bench.summary,
@@ -408,6 +411,7 @@ def _state_from_steps(steps) -> "pd.DataFrame":
 def _run_http(base_url, requests, settings, liverun, name, model, chat) -> RunResult:
     """The bench client's pieces, run on a private event loop in a thread, while this thread
     redraws the live figure from the records and /metrics samples as they arrive."""
+    from minserve.bench.metrics import output_len, request_tpot
     box: dict[str, Any] = {}
     records: list = []
     pollers: list = []
@@ -432,11 +436,11 @@ def _run_http(base_url, requests, settings, liverun, name, model, chat) -> RunRe
                               smp["kv_cache_usage_perc"], smp["num_preemptions_total"])
         seen_samples = len(samples)
         for rec in records[seen_records:]:
-            ok = rec.success
-            n = rec.output_tokens
-            tpot = (rec.latency - rec.ttft) / (n - 1) if ok and n > 1 else None
-            liverun.add_finished(rec.start_time + rec.latency - t0 if ok else time.perf_counter() - t0,
-                                 rec.ttft if ok else None, tpot)
+            if rec.success:  # the bench's TPOT (finalize computes the same one for the frame)
+                liverun.add_finished(rec.start_time + rec.latency - t0, rec.ttft,
+                                     request_tpot(rec, output_len(rec)))
+            else:
+                liverun.add_finished(time.perf_counter() - t0, None, None)
         seen_records = len(records)
         liverun.tick(seen_records, idle=True)  # this thread only watches: drawing delays no request
     if "error" in box:
@@ -505,22 +509,38 @@ async def _http_main(base_url, requests, settings, model, chat, records, pollers
     return BenchResult(summary=summary, requests=frame, server_metrics=poller.frame()), model_id
 
 
+def _emission_times(first_s: float, itls: Sequence[float]) -> list[float]:
+    """A client's emission times (streamed chunks that carried output) from its first one and its
+    ITLs: the inverse of ``latency.itls_s`` over emissions, which the bench record keeps instead
+    of the times themselves."""
+    return [float(t) for t in np.cumsum([first_s, *itls])]
+
+
 def _http_requests(bench_frame, requests) -> "pd.DataFrame":
+    """The bench client's requests frame in this module's columns. Its latencies are kept as the
+    bench computed them (:mod:`minserve.bench.metrics`): the client sees emissions (chunks), not
+    the engine's tokens, and E2E ends at its last chunk, which stands in for the last token in
+    ``decode_s`` as in TPOT (so ``tpot_s = decode_s / (output_tokens - 1)``, as in process).
+    ``token_times_s`` are emission times: one per chunk, so several tokens a chunk brought show
+    once (not repeated as in the engine's timelines; ``latency.itls_s`` reads both alike)."""
     import pandas as pd
+
+    from minserve.metrics import latency as lat
     nan = math.nan
     b = bench_frame
+    first_token_s = b.send_s + b.ttft_s
     df = pd.DataFrame({
         "request_id": b.request_id.astype(str),
         "label": [r.scenario or r.request_id for r in requests],
         "prompt_tokens": b.prompt_len, "output_tokens": b.output_len, "cached_tokens": nan,
         "num_preemptions": nan, "arrival_s": b.send_s, "first_scheduled_s": nan,
-        "first_token_s": b.send_s + b.ttft_s, "finished_s": b.finish_s, "queue_s": nan,
-        "ttft_s": b.ttft_s, "prefill_s": nan, "decode_s": b.finish_s - (b.send_s + b.ttft_s),
+        "first_token_s": first_token_s, "finished_s": b.finish_s, "queue_s": nan,
+        "ttft_s": b.ttft_s, "prefill_s": nan, "decode_s": lat.elapsed_s(first_token_s, b.finish_s),
         "tpot_s": b.tpot_s, "e2e_s": b.e2el_s,
         "itl_max_s": [max(x) if len(x) else nan for x in b.itl_s],
         "success": b.success, "engine_id": None,
-        "token_times_s": [list(s + t + np.cumsum([0.0, *itl])) if ok else []
-                          for s, t, itl, ok in zip(b.send_s, b.ttft_s, b.itl_s, b.success)]})
+        "token_times_s": [_emission_times(f, itl) if ok else []
+                          for f, itl, ok in zip(first_token_s, b.itl_s, b.success)]})
     return df.sort_values("arrival_s", kind="stable").reset_index(drop=True)[REQUEST_COLUMNS]
 
 

@@ -29,8 +29,9 @@ Deadline model (deadlines.py, stated there): a request with a deadline is shed w
 completion misses it. The prediction counts the work of the requests the engine is running (which
 the engine thread reports after every step, :meth:`AdmissionController.observe_running`), the
 wait for a free seat when all ``max_num_seqs`` are busy, and the admitted requests queued ahead
-(every class: the engine is first come, first served). Its two rates, prefill seconds per token
-and seconds per decode step, are exponentially weighted moving averages of recent engine steps
+(every class: the engine is first come, first served). Its rates, prefill seconds per token,
+seconds per decode step and output tokens a decoding request gains per step (1 without
+speculative decoding), are exponentially weighted moving averages of recent engine steps
 (:meth:`AdmissionController.observe_step`), starting from configured priors.
 
 After admission the deadline still holds: a request still queued when it passes is aborted before
@@ -200,6 +201,7 @@ class AdmissionController:
         self._inflight: dict[str, int] = {}
         self.prefill_s_per_token = self.config.prior_prefill_s_per_token
         self.decode_s_per_step = self.config.prior_decode_s_per_step
+        self.decode_tokens_per_step = 1.0  # output tokens a decoding request gains per step
         self.draining = False
         self._metrics = _AdmissionMetrics(registry) if registry is not None else None
 
@@ -262,14 +264,20 @@ class AdmissionController:
                     f"{t.priority_class} class")
         return ""
 
+    @property
+    def decode_s_per_token(self) -> float:
+        """Seconds for one decoding request to gain one output token: a decode step's time over
+        the tokens it brings each request (the deadline model's ``d``, deadlines.py)."""
+        return self.decode_s_per_step / self.decode_tokens_per_step
+
     def _start_s(self) -> float:
         queued = ((q.prompt_tokens, q.max_tokens) for q in self._waiting.values())
         return deadlines.start_s(self._running, queued, self.config.parallel_slots,
-                                 self.prefill_s_per_token, self.decode_s_per_step)
+                                 self.prefill_s_per_token, self.decode_s_per_token)
 
     def _predict_locked(self, t: Ticket) -> float:
         return deadlines.finish_s(self._start_s(), t.prompt_tokens, t.max_tokens,
-                                  self.prefill_s_per_token, self.decode_s_per_step)
+                                  self.prefill_s_per_token, self.decode_s_per_token)
 
     def predict_s(self, t: Ticket) -> float:
         """Predicted seconds from now until ``t`` would finish if admitted now (module docstring)."""
@@ -307,16 +315,30 @@ class AdmissionController:
                 self._inflight.pop(t.tenant, None)  # keep the dict as small as the active tenants
             self._update_gauges(t.priority_class)
 
-    def observe_step(self, step_time_s: float, num_prefill_tokens: int, num_decode_tokens: int) -> None:
-        """Fold one engine step into the moving averages of the deadline model."""
+    def observe_step(self, step_time_s: float, num_prefill_tokens: int, num_decode_tokens: int,
+                     num_spec_tokens: int = 0, num_accepted_spec_tokens: int = 0) -> None:
+        """Fold one engine step into the moving averages of the deadline model.
+
+        The counts are the engine's (StepStats): ``num_prefill_tokens`` and ``num_decode_tokens``
+        are rows computed, a decoding request's row plus one per proposal it verified
+        (speculative decoding); ``num_spec_tokens`` of those rows were proposals, and
+        ``num_accepted_spec_tokens`` proposals were accepted. So the step had
+        ``num_decode_tokens - num_spec_tokens`` decoding requests, and they gained that many
+        tokens plus the accepted proposals. Without speculative decoding both are 0: one row,
+        one token per decoding request per step."""
         a = self.config.ewma_alpha
         with self._lock:
             total = num_prefill_tokens + num_decode_tokens
             if num_prefill_tokens > 0 and total > 0:
+                # Rows share the step's compute alike, verified proposals included.
                 self.prefill_s_per_token += a * (step_time_s / total - self.prefill_s_per_token)
-            if num_decode_tokens > 0:
-                # A decoding request gets one token per step, whatever else shares the step.
+            decoding = num_decode_tokens - num_spec_tokens
+            if decoding > 0:
+                # A decoding request gains its tokens in the step's time, whatever else shares
+                # the step; the time of one of its tokens is decode_s_per_token.
                 self.decode_s_per_step += a * (step_time_s - self.decode_s_per_step)
+                gained = (decoding + num_accepted_spec_tokens) / decoding
+                self.decode_tokens_per_step += a * (gained - self.decode_tokens_per_step)
 
     def observe_running(self, work: list[deadlines.Work]) -> None:
         """The engine's running work after a step (engine thread): per request, prompt tokens left

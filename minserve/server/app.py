@@ -153,7 +153,7 @@ CLASS_STRIDE = 1 << 32
 def engine_priority(engine, priority_class: str, priority: int) -> int:
     """The ``priority`` the engine schedules by (see CLASS_STRIDE). Under "fcfs" the body's value
     is passed on unchanged (the engine ignores it)."""
-    if getattr(engine.config, "scheduling_policy", "fcfs") != "priority":
+    if engine.config.scheduling_policy != "priority":
         return priority
     half = CLASS_STRIDE // 2 - 1
     return PRIORITY_CLASSES.index(priority_class) * CLASS_STRIDE + max(-half, min(half, priority))
@@ -281,7 +281,10 @@ def create_app(engine, *, served_model_name: str | None = None,
                                   parallel_slots=engine.config.max_num_seqs,
                                   kv_bytes_per_token=engine.kv_spec.bytes_per_token)
         admission = AdmissionController(cfg, engine.metrics.registry)
-    on_step = (lambda s: admission.observe_step(s.step_time_s, s.num_prefill_tokens, s.num_decode_tokens))
+    # A step's decode rows include verified proposals (speculative decoding): admission counts
+    # the tokens a step produced, not its rows.
+    on_step = (lambda s: admission.observe_step(s.step_time_s, s.num_prefill_tokens, s.num_decode_tokens,
+                                                s.num_spec_tokens, s.num_accepted_spec_tokens))
     st = ServerState(engine, AsyncEngine(engine, on_step, on_running=admission.observe_running),
                      admission, served_model_name or engine.config.model, int(time.time()),
                      limits or RequestLimits())

@@ -10,10 +10,14 @@ the engine thread never awaits a handler, and a handler never waits for a step t
 
 Failure policy (DESIGN: "nothing lost, clear errors"):
 - ``add_request`` raising fails that one request (ValueError -> 400, anything else -> 500).
-- a request failing inside a step: the engine fails it alone (finish_reason "error",
-  ``RequestOutput.error``); its client gets a 500, the others in the step carry on.
-- ``step()`` raising (a failure no single request explains, e.g. in the scheduler): every
-  request the engine holds is aborted and its client told; the loop goes on.
+- a request failing inside a step: the engine fails it alone and lists it, with its reason, in
+  ``engine.last_step_failures``; its client gets a 500 with that reason, the others in the step
+  carry on.
+- ``step()`` raising: the requests it listed as failed before raising get their own reasons; any
+  other request the engine no longer holds (retired in that step, its outputs lost with it) gets
+  the step's error; if there is neither (it raised before failing or retiring anyone, e.g. in the
+  scheduler), every request the engine holds is aborted and its client told, rather than the same
+  step failing forever. The loop goes on.
 - a request still queued (never scheduled) when its deadline passes is aborted before it runs and
   its client gets 504 ``deadline_exceeded`` (admission.py predicted it in time; it was not).
 - :meth:`AsyncEngine.fail_all` (the drain timeout ran out, cli.py) aborts everything in flight and
@@ -221,16 +225,15 @@ class AsyncEngine:
             outputs = self.engine.step()
         except Exception as e:
             log.exception("engine step failed")
-            self._fail_retired(f"engine step failed: {type(e).__name__}: {e}")
+            self._fail_after_raise(f"engine step failed: {type(e).__name__}: {e}")
             return
+        self._fail_listed()  # their error outputs find no sink below
         self._mark_started(outputs)
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:
-                continue  # aborted by its client a moment ago
-            # A request that failed alone (the engine contained it) ends as a 500 for its client.
-            sink.put(RequestFailed(f"the request failed in the engine: {out.error}", 500)
-                     if out.error else out)
+                continue  # aborted by its client a moment ago, or failed above
+            sink.put(out)
             if out.finished:
                 del self._sinks[out.request_id]
         after = self.engine.last_step_stats
@@ -284,17 +287,30 @@ class AsyncEngine:
             self._idle_published = True
             _guarded(self.on_running, [])
 
-    def _fail_retired(self, message: str) -> None:
-        """After a failed step: tell the clients whose requests the engine retired."""
+    def _fail(self, rid: str, failure: RequestFailed) -> None:
+        self._deadlines.pop(rid, None)
+        self._sinks.pop(rid).put(failure)
+
+    def _fail_listed(self) -> None:
+        """Tell the clients of the requests the engine failed alone in its last step, each with
+        its own reason (``engine.last_step_failures``)."""
+        for rid, why in self.engine.last_step_failures.items():
+            if rid in self._sinks:
+                self._fail(rid, RequestFailed(f"the request failed in the engine: {why}", 500))
+
+    def _fail_after_raise(self, message: str) -> None:
+        """After ``step()`` raised (module docstring): the failures it listed, then the requests
+        it retired without a word, else everything."""
+        self._fail_listed()
         live = self.engine.requests
         gone = [rid for rid in self._sinks if rid not in live]
-        if not gone:
-            # The failure happened before the engine could retire anyone (e.g. in the scheduler):
-            # abort everything rather than fail the same step forever.
+        if not self.engine.last_step_failures and not gone:
+            # Nothing recorded, nobody retired (e.g. the scheduler raised): abort everything
+            # rather than fail the same step forever.
             gone = list(self._sinks)
             self.engine.abort_request(gone)
         for rid in gone:
-            self._sinks.pop(rid).put(RequestFailed(message, 500))
+            self._fail(rid, RequestFailed(message, 500))
 
     def _fail_all(self, failure: RequestFailed) -> None:
         try:

@@ -174,11 +174,13 @@ def make_server(app, host: str, port: int, drain_timeout_s: float, log_level: st
         async def _drain_then_exit(self) -> None:
             clock = asyncio.get_running_loop().time
             deadline = clock() + drain_timeout_s
-            while st.engine.has_unfinished_requests() and clock() < deadline:
+            # The server's own count of admitted, unclosed requests: the engine's state belongs
+            # to the engine thread, never read from the event loop.
+            while st.open_flights and clock() < deadline:
                 await asyncio.sleep(0.1)
-            if st.engine.has_unfinished_requests():
+            if st.open_flights:
                 log.warning("drain timeout of %g s passed: failing %d requests still in flight",
-                            drain_timeout_s, st.engine.get_num_unfinished_requests())
+                            drain_timeout_s, st.open_flights)
                 from minserve.server.async_engine import RequestFailed
                 st.async_engine.fail_all(RequestFailed(
                     f"the server is shutting down: the drain timeout of {drain_timeout_s:g} s passed "

@@ -15,8 +15,11 @@ own 2 s of work comes after minutes of waiting. The work ahead of a new request 
   (preempted, waiting to recompute) queue first;
 - then the admitted requests still queued, oldest first: their prompt tokens and max_tokens.
 
-With ``p`` = seconds of prefill per prompt token and ``d`` = seconds per decode step (both measured
-from recent steps by admission), a request holds its seat for ``prefill_left * p + decode_left * d``.
+With ``p`` = seconds of prefill per prompt token and ``d`` = seconds per output token of one
+decoding request (both measured from recent steps by admission), a request holds its seat for
+``prefill_left * p + decode_left * d``. ``d`` is a decode step's time over the tokens a decoding
+request gains in a step: one without speculative decoding (then ``d`` is the step time), 1 + its
+accepted proposals with it; the model counts output tokens, never steps, so it holds either way.
 Then::
 
     seat_free     = when a seat frees for the new request: seats start busy until their running
@@ -43,9 +46,9 @@ Work = tuple[int, int]  # (prompt tokens left to compute, output tokens left at 
 
 
 def start_s(running: Sequence[Work], queued: Iterable[Work], slots: int,
-            prefill_s_per_token: float, decode_s_per_step: float) -> float:
+            prefill_s_per_token: float, decode_s_per_token: float) -> float:
     """Seconds from now until a request admitted now could start (see the module docstring)."""
-    p, d = prefill_s_per_token, decode_s_per_step
+    p, d = prefill_s_per_token, decode_s_per_token
     seats = [pf * p + dc * d for pf, dc in running[:slots]]
     seats += [0.0] * (slots - len(seats))
     heapq.heapify(seats)
@@ -59,6 +62,6 @@ def start_s(running: Sequence[Work], queued: Iterable[Work], slots: int,
 
 
 def finish_s(start: float, prompt_tokens: int, max_tokens: int, prefill_s_per_token: float,
-             decode_s_per_step: float) -> float:
+             decode_s_per_token: float) -> float:
     """Seconds from now until the request is done, if it starts ``start`` seconds from now."""
-    return start + prompt_tokens * prefill_s_per_token + max_tokens * decode_s_per_step
+    return start + prompt_tokens * prefill_s_per_token + max_tokens * decode_s_per_token

@@ -44,7 +44,9 @@ def decode_rate_from_steps(run) -> float:
     """Output tokens per second over the run's decode-only steps (the engine's own step records)."""
     st = run.steps
     dec = st[(st.num_prefill_tokens == 0) & (st.num_decode_tokens > 0)]
-    return float(dec.num_decode_tokens.sum() / dec.step_time_s.sum())
+    # Tokens produced: one per decoding request, plus the proposals the model accepted.
+    produced = dec.num_decode_tokens - dec.num_spec_tokens + dec.num_accepted_spec_tokens
+    return float(produced.sum() / dec.step_time_s.sum())
 
 
 def q2_decode_throughput(batch_runs: dict) -> NumberCheck:
