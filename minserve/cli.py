@@ -1,4 +1,4 @@
-"""`minserve` command line: serve | bench serve | generate | plan | prepare | doctor.
+"""`minserve` command line: serve | bench serve | generate | eval | plan | prepare | doctor.
 
 Subcommands import their modules lazily, so `minserve generate` does not pay for FastAPI and
 `minserve serve` does not pay for the load generator.
@@ -28,7 +28,7 @@ def _generate(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = ("usage: minserve {serve,bench serve,generate,plan,prepare,doctor} [options]  "
+    usage = ("usage: minserve {serve,bench serve,generate,eval,plan,prepare,doctor} [options]  "
              "(-h after a command for its options)")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(rest[1:])
     if cmd == "generate":
         return _generate(rest)
+    if cmd == "eval":
+        from minserve.eval.cli import main as eval_main
+        return eval_main(rest)
     if cmd == "plan":
         from minserve.plan.cli import main as plan_main
         return plan_main(rest)

@@ -74,7 +74,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
-    prompt_logprobs: None = None
+    # If SamplingParams.prompt_logprobs was set: None for the first prompt token (nothing comes
+    # before it), then per prompt token {token_id: Logprob}, the token itself first (vLLM's layout).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict = field(default_factory=dict)
     # minserve's addition: why the request failed when its finish_reason is "error" (one bad

@@ -1,7 +1,7 @@
 """Per-request sampling parameters, with vLLM's public names and semantics (a subset).
 
 Code written against ``vllm.SamplingParams`` keeps working here for the fields listed below; fields
-vLLM has and we do not (``best_of``, penalties, ``logit_bias``, ``prompt_logprobs``, ...) are absent
+vLLM has and we do not (``best_of``, penalties, ``logit_bias``, ...) are absent
 on purpose, so passing one fails loudly (``TypeError``) instead of being silently ignored.
 """
 
@@ -122,6 +122,10 @@ class SamplingParams:
         logprobs: Return the log-probability of each sampled token plus this many top
             alternatives (0 = just the sampled token's), in [0, 20]. None returns none. Computed
             from the raw model logits, before temperature/top-k/top-p (vLLM's default).
+        prompt_logprobs: Return, for every prompt token after the first, its log-probability
+            given the tokens before it plus this many top alternatives, in [0, 20]. None (the
+            default) computes nothing. Such a request runs its prefill through the PyTorch path
+            and never takes prefix-cache hits: every prompt row must be computed (as in vLLM).
         skip_special_tokens: Leave special tokens out of the detokenized text.
         include_stop_str_in_output: Keep the matched stop string at the end of the text.
         output_kind: What each streamed output contains (see ``RequestOutputKind``).
@@ -139,6 +143,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -189,6 +194,10 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, "
                              f"got {self.logprobs}")
+        self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, none_ok=True)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] or None, "
+                             f"got {self.prompt_logprobs}")
 
     @staticmethod
     def _check_output_kind(value: object) -> RequestOutputKind:

@@ -9,6 +9,11 @@ Two ways to run the forward pass: the PyTorch model (models/llama.py) for every 
 when every sequence adds exactly one token, the fused C decode step (kernels/decode.py), which
 computes the same thing without ~35 Python-dispatched operations per layer.
 
+Prompt logprobs (``SamplingParams.prompt_logprobs``) need the LM head on prompt rows too, which the
+fused step never computes: a step where a request asks for them runs through PyTorch, keeps the
+hidden states of all rows, and runs the head over that request's prompt rows in chunks of at most
+``PROMPT_LOGPROBS_CHUNK_ROWS`` (one chunk's logits live at a time, however long the prompt).
+
 On CPU each step runs with the thread count a :class:`~minserve.engine.threads.ThreadController`
 picks from measured decode steps: fewer threads when other processes take cores (engine/threads.py).
 """
@@ -41,6 +46,9 @@ log = logging.getLogger("minserve")
 # Tokens per sequence the fused C step takes: a decode (1) or a verify step of up to 7 proposals.
 # Longer ones (prefill chunks) run through PyTorch, whose GEMMs use the cores better.
 MAX_FUSED_QUERY_LEN = 8
+# Prompt rows sent through the LM head at once for prompt logprobs: 256 rows of a 49k vocabulary
+# are 50 MB of fp32 logits, which bounds the memory whatever the prompt length.
+PROMPT_LOGPROBS_CHUNK_ROWS = 256
 
 
 class ModelRunner:
@@ -132,7 +140,8 @@ class ModelRunner:
         seqs = StepSequences([s.num_new_tokens for s in sched.scheduled],
                              [s.context_len for s in sched.scheduled],
                              [kv.block_table(s.request.request_id) for s in sched.scheduled])
-        backend = self.backend_for(seqs)
+        spans = _prompt_logprob_spans(sched)
+        backend = self.layer_backend if spans else self.backend_for(seqs)  # the fused step has no prompt rows
         meta = backend.build_metadata(seqs)
         to = dict(dtype=torch.long, device=self.device)
         ids, pos, rows = (torch.tensor(v, **to) for v in (tokens, positions, logits_rows))
@@ -147,6 +156,10 @@ class ModelRunner:
             t0 = self.threads.clock()
             if backend.runs_whole_model:
                 logits = backend.run(ids, pos, meta, rows, threads)
+            elif spans:
+                h = self.model.hidden_states(ids, pos, self.kv_caches, meta)
+                logits = self.model.compute_logits(h[rows])
+                self._record_prompt_logprobs(spans, h)
             else:
                 logits = self.model(ids, pos, self.kv_caches, meta, rows)
             sampled = self._sample(sched, logits)
@@ -185,8 +198,52 @@ class ModelRunner:
             result[s.request.request_id] = mine[:keep]
         return result
 
+    def _record_prompt_logprobs(self, spans: list[tuple], h: torch.Tensor) -> None:
+        """Append the prompt logprobs of each span (see _prompt_logprob_spans) to its request,
+        running the LM head over at most PROMPT_LOGPROBS_CHUNK_ROWS rows at a time."""
+        for req, row, lo, hi in spans:
+            targets = req.prompt_token_ids[lo:hi]
+            for a in range(0, hi - lo, PROMPT_LOGPROBS_CHUNK_ROWS):
+                b = min(a + PROMPT_LOGPROBS_CHUNK_ROWS, hi - lo)
+                logits = self.model.compute_logits(h[row + a:row + b])
+                req.prompt_logprobs += _target_logprobs(logits, targets[a:b], req.params.prompt_logprobs)
+
     def weight_bytes(self) -> int:
         return self.model.weight_bytes()
+
+
+def _prompt_logprob_spans(sched: SchedulerOutput) -> list[tuple]:
+    """Per scheduled request asking for prompt logprobs that has some left in this step:
+    (request, flat row of its first one, first target position, end target position). The row of
+    position j predicts prompt token j + 1; targets recorded before (the recompute of a preempted
+    request) are not recorded again, so ``req.prompt_logprobs`` grows chunk by chunk, in order."""
+    spans, offset = [], 0
+    for s in sched.scheduled:
+        req = s.request
+        hi = min(s.context_len + s.num_new_tokens + 1, req.num_prompt_tokens)
+        if req.params.prompt_logprobs is not None and s.context_len + 1 < hi:
+            done = len(req.prompt_logprobs)
+            # No gap: such requests never take prefix-cache hits (Scheduler._admit_waiting).
+            assert s.context_len <= done, "prompt logprobs need every prompt row computed"
+            if done + 1 < hi:
+                spans.append((req, offset + done - s.context_len, done + 1, hi))
+        offset += s.num_new_tokens
+    return spans
+
+
+@torch.inference_mode()  # the logits are inference tensors: updated in place below
+def _target_logprobs(logits: torch.Tensor, targets: list[int], top_n: int) -> list[tuple]:
+    """Per row, the layout of sampled-token logprobs (step_io.SampledToken): ([(target, logprob),
+    then the top-N (id, logprob) best first], the target's rank, 1 = most likely)."""
+    logits -= logits.logsumexp(dim=-1, keepdim=True)  # log_softmax in place: one [rows, vocab] buffer
+    chosen = logits.gather(1, torch.tensor(targets, device=logits.device).unsqueeze(1))
+    ranks = ((logits > chosen).sum(dim=-1) + 1).tolist()
+    chosen = chosen.squeeze(1).tolist()
+    top = [[]] * len(targets)
+    if top_n:
+        vals, ids = logits.topk(top_n, dim=-1)
+        top = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    return [([(t, lp)] + alts, rank) for t, lp, alts, rank in zip(targets, chosen, top, ranks)]
 
 
 def _fused_decoder(model, kv_caches, config: EngineConfig) -> FusedDecoder | None:

@@ -87,7 +87,10 @@ class OutputProcessor:
         text, token_ids = req.output_text, req.output_token_ids
         asked = req.params.logprobs is not None
         logprobs = req.output_logprobs if asked else None
+        prompt_logprobs = self._prompt_logprobs(req)
         if kind is RequestOutputKind.DELTA:
+            # As vLLM: a stream carries the prompt logprobs once, in its first output.
+            prompt_logprobs = prompt_logprobs if req.sent_tokens_len == 0 else None
             # output_text never ends in a partial character (the detokenizer holds those back),
             # so every delta is printable as it is.
             text, token_ids = text[req.sent_text_len:], token_ids[req.sent_tokens_len:]
@@ -96,8 +99,21 @@ class OutputProcessor:
         completion = CompletionOutput(0, text, list(token_ids), req.cumulative_logprob if asked else None,
                                       list(logprobs) if asked else None, req.finish_reason, req.stop_reason)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                             req.finished, self.metrics(req), num_cached_tokens=req.num_cached_tokens,
-                             error=req.error)
+                             req.finished, self.metrics(req), prompt_logprobs=prompt_logprobs,
+                             num_cached_tokens=req.num_cached_tokens, error=req.error)
+
+    def _prompt_logprobs(self, req: Request) -> list | None:
+        """vLLM's ``RequestOutput.prompt_logprobs``: None first, then a dict per prompt token.
+        The runner records raw entries; each is made into a dict once, the first time it is sent
+        (CUMULATIVE outputs send the list every step)."""
+        if req.params.prompt_logprobs is None:
+            return None
+        entries = req.prompt_logprobs
+        raw = len(entries)
+        while raw and isinstance(entries[raw - 1], tuple):
+            raw -= 1
+        entries[raw:] = [self._logprob_dict(top, rank) for top, rank in entries[raw:]]
+        return [None] + entries
 
     def error_output(self, req: Request) -> RequestOutput:
         """The last output of a request that failed: what it produced so far, finish_reason

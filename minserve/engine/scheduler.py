@@ -218,7 +218,8 @@ class Scheduler:
                 budget += self._unschedule_preempted(out)
                 continue
             try:
-                cached = self.kv.find_cached_prefix(req)
+                # Prompt logprobs need every prompt row computed: no prefix-cache hit (as in vLLM).
+                cached = [] if req.params.prompt_logprobs is not None else self.kv.find_cached_prefix(req)
             except Exception as e:  # this request's own data is bad: it must not block the queue
                 self.waiting.popleft()
                 out.failed.append((req, f"{type(e).__name__}: {e}"))
@@ -234,7 +235,7 @@ class Scheduler:
                     continue  # victims freed blocks (and maybe budget): look at the head again
                 break  # wait for running requests to finish and free blocks
             self.waiting.popleft()
-            if self.kv.enable_prefix_caching:
+            if self.kv.enable_prefix_caching and req.params.prompt_logprobs is None:  # looked up
                 out.prefix_cache_queries += req.num_tokens
                 out.prefix_cache_hits += hit
             if not req.timeline.scheduled_s:

@@ -165,12 +165,26 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """Flat tokens [T] -> fp32 logits [len(logits_indices), vocab]."""
+        h = self.hidden_states(input_ids, positions, kv_caches, meta)
+        return self.compute_logits(h[logits_indices])
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """Flat tokens [T] -> the last layer's output [T, hidden], before the final norm. For
+        callers that need more rows than the sampled ones (prompt logprobs, engine/model_runner.py)."""
         h = self.embed_tokens(input_ids)
         cos, sin = (t.to(h.dtype) for t in self.rotary(positions))  # tables are fp32; no-op in fp32
         for layer, kv in zip(self.layers, kv_caches):
             h = layer.forward(h, cos, sin, kv, meta)
-        h = self.norm(h[logits_indices])  # RMSNorm is per row: normalizing only sampled rows is exact
-        return self.lm_head(h).float()
+        return h
+
+    @torch.inference_mode()
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Rows of :meth:`hidden_states` -> fp32 logits (vLLM's name). RMSNorm is per row, so
+        normalizing only the rows that need logits is exact."""
+        return self.lm_head(self.norm(h)).float()
 
     def weight_bytes(self) -> int:
         """Bytes of weights read per forward pass: every linear layer as its descriptor counts it
