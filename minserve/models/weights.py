@@ -27,6 +27,8 @@ class WeightDescriptor:
     data: torch.Tensor                # dense: [out, in]; quantized: the codes, format-specific layout
     bias: torch.Tensor | None = None  # [out], in the compute dtype
     scales: torch.Tensor | None = None
+    # int4 (GGUF Q4_1's form, minserve/quant/formats.py): the group minimum m, a float, in
+    # w = q * scale + m; not an integer zero point z in (q - z) * scale.
     zero_points: torch.Tensor | None = None
     group_size: int | None = None     # input features per scale (None: one scale per output row)
 

@@ -1,0 +1,199 @@
+"""int8 / int4 weight-only linear layers on the CPU, from the C kernels in ``quant.c``.
+
+``int8_linear`` and ``int4_linear`` compute ``F.linear(x, dequantize(weight), bias)`` for the
+layouts of :mod:`minserve.quant.formats` without materialising the float weight matrix at decode
+sizes: the C loops dequantize in registers as they stream the codes (quant.c says how). From
+``PREFILL_MIN_ROWS`` input rows on, the weight is dequantized a cache-sized tile at a time into a
+float32 buffer instead and each tile goes through PyTorch's matmul, whose register-blocked GEMM
+beats a row-streaming loop once there are enough rows to amortise the dequantization.
+
+The C side trusts every pointer and size; everything is checked here first. Without a working C
+compiler the same functions fall back to the torch reference (dequantize + ``F.linear``), with one
+logged warning: slow, never a failure.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from minserve.kernels.build import KernelUnavailable, load
+
+log = logging.getLogger("minserve")
+
+# From this many input rows on, "auto" takes the dequantize-a-tile + torch path. Measured with
+# benchmarks/bench_quant_kernels.py --prefill --threads 1 on the 2-core AMD EPYC (AVX-512), one
+# thread because two-thread timings on this shared host were ruled by the scheduler; median ms,
+# fp32 F.linear / int4 g32 fused C loop / int4 g32 dequant + torch (int8 alike):
+#   B          64                 128                256                 512
+#   576x1536   1.23 / 1.41 / 1.71  2.48 / 2.89 / 3.14  8.53 / 13.5 / 9.88  13.2 / 16.7 / 15.5
+#   1536x576   1.29 / 1.50 / 1.51  2.51 / 3.11 / 3.27  8.89 / 10.2 / 9.44  13.9 / 16.9 / 15.5
+#   49152x576  96.2 / 72.1 / 69.1  156 / 138 / 129     300 / 330 / 279     561 / 642 / 409
+# Up to ~128 rows the two are within this host's noise (±10 %) and the fused loop runs one
+# parallel region per call instead of two per tile; from 256 rows the tiles win by 5-35 %.
+# (At batch 16 the fused loop is 1.3-1.5x faster than the tiles.)
+PREFILL_MIN_ROWS = 256
+TILE_BYTES = 2 * 1024 * 1024   # float32 rows per tile: written by the dequantizer, read back from L2/L3
+PATHS = ("auto", "fused", "dequant")
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {   # name: (restype, argtypes), as declared in quant.c
+    "ms_int8_linear": (_I, [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I]),
+    "ms_int4_linear": (_I, [_P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I]),
+    "ms_int8_dequantize": (None, [_P, _P, _P, _I, _I, _I, _I]),
+    "ms_int4_dequantize": (None, [_P, _P, _P, _I, _P, _I, _I, _I, _I]),
+    "ms_int4_order_columns": (None, [_P, _P, _I]),
+    "ms_quant_isa": (ctypes.c_char_p, []),
+}
+
+
+def with_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare quant.c's function types on ``lib`` (any build of quant.c); returns ``lib``."""
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    try:
+        return with_signatures(load("quant"))
+    except KernelUnavailable as e:
+        log.warning("quantized C kernels unavailable, using dequantize + F.linear (slow): %s", e)
+        return None
+
+
+def kernel_isa() -> str | None:
+    """Which code path quant.c compiled for this CPU ("avx512", "avx2", "portable"), or None."""
+    lib = _lib()
+    return lib.ms_quant_isa().decode() if lib is not None else None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+def _check_tensor(t, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype != dtype or tuple(t.shape) != shape:
+        raise ValueError(f"{name} must be {str(dtype).removeprefix('torch.')} {list(shape)}, "
+                         f"got {str(t.dtype).removeprefix('torch.')} {list(t.shape)}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device.type}: the quantized C kernels are CPU-only")
+    if not t.is_contiguous():   # copying a weight on every call would hide its whole cost
+        raise ValueError(f"{name} must be contiguous (call .contiguous() once when binding the weight)")
+
+
+def _check_input(x, bias, out: int, in_features: int, num_threads: int, path: str) -> torch.Tensor:
+    """Checks the call's other arguments; returns x as a contiguous float32 [rows, in] matrix."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != in_features:
+        shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be [..., {in_features}] (in_features of the weight), got {shape}")
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be a float32 CPU tensor, got {x.dtype} on {x.device.type}")
+    if bias is not None:
+        _check_tensor(bias, "bias", torch.float32, (out,))
+    if not isinstance(num_threads, int) or num_threads < 0:
+        raise ValueError(f"num_threads must be an int >= 0 (0: PyTorch's thread count), got {num_threads!r}")
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    return x.reshape(-1, in_features).contiguous()
+
+
+def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None, num_threads: int = 0,
+                path: str = "auto") -> torch.Tensor:
+    """``x [..., in] @ (codes * scales[:, None]).T + bias`` -> float32 ``[..., out]``.
+
+    codes int8 ``[out, in]``, scales float32 ``[out]`` (formats.quantize_int8). ``num_threads``:
+    OpenMP team size (0: PyTorch's). ``path``: "fused" (C, dequantized in registers), "dequant"
+    (float32 tiles + torch matmul) or "auto" (fused below PREFILL_MIN_ROWS input rows).
+    """
+    if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
+        raise ValueError("int8 codes must be a 2-D int8 tensor [out_features, in_features]")
+    out, in_features = codes.shape
+    _check_tensor(codes, "int8 codes", torch.int8, (out, in_features))
+    _check_tensor(scales, "int8 scales", torch.float32, (out,))
+    x2 = _check_input(x, bias, out, in_features, num_threads, path)
+    lib, rows = _lib(), x2.shape[0]
+    if lib is None:
+        from minserve.quant.formats import dequantize_int8
+        y = F.linear(x2, dequantize_int8(codes, scales), bias)
+    elif _use_tiles(path, rows):
+        def dequantize(r0: int, r1: int, tile: torch.Tensor) -> None:
+            lib.ms_int8_dequantize(codes.data_ptr(), scales.data_ptr(), tile.data_ptr(), r0, r1,
+                                   in_features, num_threads)
+        y = _tiled_linear(x2, dequantize, bias, out, in_features)
+    else:
+        y = torch.empty(rows, out)
+        if rows:
+            lib.ms_int8_linear(codes.data_ptr(), scales.data_ptr(), _ptr(bias), x2.data_ptr(),
+                               y.data_ptr(), rows, in_features, out, 0, num_threads)
+    return y.reshape(*x.shape[:-1], out)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                group_size: int, bias: torch.Tensor | None = None, num_threads: int = 0,
+                path: str = "auto") -> torch.Tensor:
+    """``x [..., in] @ dequantize_int4(packed, scales, mins, group_size).T + bias`` -> ``[..., out]``.
+
+    packed uint8 ``[out, in/2]`` (column 2i low nibble), scales and mins float32
+    ``[out, in/group_size]`` (formats.quantize_int4). ``num_threads`` and ``path`` as int8_linear.
+    """
+    from minserve.quant.formats import check_group_size, dequantize_int4
+    if not isinstance(packed, torch.Tensor) or packed.dim() != 2:
+        raise ValueError("packed int4 codes must be a 2-D uint8 tensor [out_features, in_features / 2]")
+    out, in_features = packed.shape[0], 2 * packed.shape[1]
+    check_group_size(group_size, in_features, out)
+    groups = (out, in_features // group_size)
+    _check_tensor(packed, "packed int4 codes", torch.uint8, (out, in_features // 2))
+    _check_tensor(scales, "int4 scales", torch.float32, groups)
+    _check_tensor(mins, "int4 mins", torch.float32, groups)
+    x2 = _check_input(x, bias, out, in_features, num_threads, path)
+    lib, rows = _lib(), x2.shape[0]
+    if lib is None:
+        return F.linear(x2, dequantize_int4(packed, scales, mins, group_size), bias).reshape(*x.shape[:-1], out)
+    # quant.c produces int4 weights with each 32-column block's even columns first, then its odd
+    # ones (the nibble order); x is put in that order once and meets them there.
+    xs = torch.empty_like(x2)
+    if _use_tiles(path, rows):
+        lib.ms_int4_order_columns(x2.data_ptr(), xs.data_ptr(), xs.numel())
+        def dequantize(r0: int, r1: int, tile: torch.Tensor) -> None:
+            lib.ms_int4_dequantize(packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), group_size,
+                                   tile.data_ptr(), r0, r1, in_features, num_threads)
+        y = _tiled_linear(xs, dequantize, bias, out, in_features)
+    else:
+        y = torch.empty(rows, out)
+        if rows and lib.ms_int4_linear(packed.data_ptr(), scales.data_ptr(), mins.data_ptr(),
+                                       group_size, _ptr(bias), x2.data_ptr(), xs.data_ptr(),
+                                       y.data_ptr(), rows, in_features, out, 0, num_threads) < 0:
+            raise RuntimeError(f"ms_int4_linear refused group_size {group_size}, in_features {in_features}")
+    return y.reshape(*x.shape[:-1], out)
+
+
+def _use_tiles(path: str, rows: int) -> bool:
+    return path == "dequant" or (path == "auto" and rows >= PREFILL_MIN_ROWS)
+
+
+def _tiled_linear(x: torch.Tensor, dequantize, bias: torch.Tensor | None, out: int,
+                  in_features: int) -> torch.Tensor:
+    """Prefill: dequantize TILE_BYTES of weight rows at a time, multiply each tile with torch.
+
+    The float32 tile is read back from cache by the matmul right after it is written, so the
+    whole float matrix (113 MB for SmolLM2's 49152 x 576 LM head) never exists or goes to DRAM.
+    """
+    tile_rows = max(16, TILE_BYTES // (4 * in_features))
+    y = torch.empty(x.shape[0], out)
+    tile = torch.empty(min(tile_rows, out), in_features)
+    for r0 in range(0, out, tile_rows):
+        r1 = min(r0 + tile_rows, out)
+        w = tile[: r1 - r0]
+        dequantize(r0, r1, w)
+        y[:, r0:r1] = F.linear(x, w, None if bias is None else bias[r0:r1])
+    return y
