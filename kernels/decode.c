@@ -17,53 +17,65 @@
  * (minserve/engine/threads.py measures which).
  *
  * Layout contracts (checked on the Python side, kernels/decode.py):
- * - weights are row-major [out_features, in_features] fp32, q/k/v and gate/up fused as in llama.py;
+ * - each weight matrix is [out_features, in_features], q/k/v and gate/up fused as in llama.py, in
+ *   its own format (a Weight): row-major fp32, or int8 / int4 in minserve/quant/formats.py's
+ *   layouts, multiplied with the dequantization in the weight stream (quant_dot.h, shared with
+ *   quant.c). Fewer bytes per weight is the whole point at batch 1: the step is a weight stream;
  * - the KV cache of a layer is [num_blocks, block_size, kv_heads, head_dim], addressed through
- *   one block table per query row (int64, [rows, table_stride]);
+ *   one block table per query row (int64, [rows, table_stride]): float32, or (KV_INT8) int8 codes
+ *   plus a float32 scale per (slot, kv head), quantized on write as the torch reference does;
  * - RoPE uses the model's tables cos and sin_signed [max_positions, head_dim] (half-split layout,
  *   the sign of rotate_half folded into the sin table).
  */
 #include <math.h>
-#include <omp.h>
-#include <stdint.h>
 #include <string.h>
 
-/* 16 floats: one AVX-512 register, or two AVX2 registers; unaligned loads are fine (aligned(4)). */
-typedef float vf16 __attribute__((vector_size(64), aligned(4)));
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
+#include "quant_dot.h"   /* vf16, hsum, ROW_TILE, the int8 / int4 row loops, qmatmul, order_columns */
+
 typedef int32_t vi16 __attribute__((vector_size(64)));
 
-#define MAX_BATCH_PASS 8      /* input rows multiplied per pass over a weight tile */
+#define DENSE_BATCH_PASS 8    /* input rows multiplied per pass over a float32 weight tile */
+#define PREFETCH_FLOATS 256   /* software prefetch 1 KiB ahead of the float32 weight stream */
 
-#define PREFETCH_FLOATS 256   /* software prefetch 1 KiB ahead of the weight stream */
-#define ROW_TILE 16           /* weight rows per OpenMP work item: 16 x hidden floats stay in L2 */
+/* How a matrix is stored: the Python side sets format from the layer's descriptor and checks every
+ * tensor's dtype and shape against it, so the kernel never reads a buffer as another type. */
+enum { WEIGHT_F32 = 0, WEIGHT_INT8 = 1, WEIGHT_INT4 = 2 };
+enum { KV_F32 = 0, KV_INT8 = 1 };
+
+typedef struct {             /* one weight matrix [out, in], as its descriptor describes it */
+    int64_t format;          /* WEIGHT_* */
+    const void *data;        /* f32 [out, in] | int8 codes [out, in] | uint8 packed [out, in / 2] */
+    const float *scales;     /* int8: [out]; int4: [out, in / group_size]; f32: NULL */
+    const float *mins;       /* int4: [out, in / group_size] (w = q * scale + min); else NULL */
+    const float *bias;       /* [out] or NULL */
+    int64_t group_size;      /* int4: 32, 64 or 128; else 0 */
+} Weight;
 
 typedef struct {
-    const float *input_norm, *qkv, *qkv_bias, *o_proj, *post_norm, *gate_up, *down;
-    float *k_cache, *v_cache;
+    const float *input_norm, *post_norm;
+    Weight qkv, o_proj, gate_up, down;
+    void *k_cache, *v_cache;     /* [blocks, block_size, kv_heads, head_dim]: f32, or int8 codes */
+    float *k_scales, *v_scales;  /* KV_INT8: [blocks, block_size, kv_heads]; KV_F32: NULL */
 } LayerPtrs;
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab, block_size;
+    int64_t kv_format;           /* KV_*, the same for every layer */
     float eps, scale;
-    const float *embed, *final_norm, *lm_head, *cos, *sin_signed;
+    const float *embed, *final_norm, *cos, *sin_signed;
+    Weight lm_head;
     const LayerPtrs *layers;
 } ModelPtrs;
 
 typedef struct {   /* caller-owned scratch, sized for the most rows and the longest context */
-    float *h, *x, *qkv, *attn, *gate_up, *act, *scores;
+    float *h, *x, *qkv, *attn, *gate_up, *act;
+    float *xs;               /* rows x max(hidden, heads * head_dim, intermediate): int4's x order */
+    float *scores;
     int64_t scores_stride;   /* floats per (row, head) of scores: >= longest context */
-} Scratch;
-
-/* Sum of the 16 lanes as a tree of vector adds: a lane-by-lane loop would be a chain of 15
- * dependent additions per output row, which dominates once several inputs share a weight load. */
-static inline float hsum(vf16 v) {
-    union { vf16 whole; vf8 half[2]; } u = {v};      /* unions, not shuffles: any GCC or clang */
-    union { vf8 whole; vf4 half[2]; } w = {u.half[0] + u.half[1]};
-    vf4 b = w.half[0] + w.half[1];
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
+    int64_t *slots;          /* [rows, scores_stride]: each row's cache slot of each of its keys */
+    float *partials;         /* [rows, kv_heads, chunks, heads / kv_heads, head_dim + 2] */
+    int64_t *items;          /* [rows * kv_heads * chunks]: a step's attention work items */
+} Scratch;                   /* chunks = ceil(scores_stride / KEY_CHUNK), decode_attention.h */
 
 static inline vf16 splat(float v) { return (vf16){0} + v; }
 
@@ -95,14 +107,14 @@ static inline vf16 vexp(vf16 x) {
     return p * (vf16)((n + 127) << 23);      /* 2^n built from its exponent bits */
 }
 
-/* y[b, r] (+)= W[r, :] . x[b, :] for rows r in [r0, r1) and nb <= MAX_BATCH_PASS inputs.
+/* y[b, r] (+)= W[r, :] . x[b, :] for rows r in [r0, r1) and nb <= DENSE_BATCH_PASS inputs.
  * Each weight vector is loaded once and multiplied into every input row. */
 static inline __attribute__((always_inline)) void
 dot_rows(const float *restrict W, int64_t in, int64_t r0, int64_t r1, const float *restrict x,
          int64_t ldx, float *restrict y, int64_t ldy, const int nb, int accumulate) {
     for (int64_t r = r0; r < r1; r++) {
         const float *w = W + r * in;
-        vf16 acc[MAX_BATCH_PASS];
+        vf16 acc[DENSE_BATCH_PASS];
         for (int b = 0; b < nb; b++) acc[b] = (vf16){0};
         int64_t i = 0;
         for (; i + 16 <= in; i += 16) {
@@ -118,11 +130,11 @@ dot_rows(const float *restrict W, int64_t in, int64_t r0, int64_t r1, const floa
     }
 }
 
-/* y[B, out] = x[B, in] @ W.T (+ bias), or y += that when accumulate (the residual add for free).
- * Threads split the output rows; a row tile is re-read from cache for every group of 8 inputs,
- * so DRAM sees each weight once per step whatever the batch. Returns the team size that ran it. */
-static int64_t matmul(const float *W, const float *bias, const float *x, float *y, int64_t B,
-                      int64_t in, int64_t out, int accumulate, int nthreads) {
+/* y[B, out] = x[B, in] @ W.T (+ bias), or y += that when accumulate (the residual add for free),
+ * for a float32 W. Threads split the output rows; a row tile is re-read from cache for every group
+ * of 8 inputs, so DRAM sees each weight once per step whatever the batch. Returns the team size. */
+static int64_t dense_matmul(const float *W, const float *bias, const float *x, float *y, int64_t B,
+                            int64_t in, int64_t out, int accumulate, int nthreads) {
     int64_t tiles = (out + ROW_TILE - 1) / ROW_TILE, team = 1;
     #pragma omp parallel num_threads(nthreads)
     {
@@ -131,8 +143,8 @@ static int64_t matmul(const float *W, const float *bias, const float *x, float *
         #pragma omp for schedule(static) nowait   /* the region's end is the one barrier */
         for (int64_t t = 0; t < tiles; t++) {
             int64_t r0 = t * ROW_TILE, r1 = r0 + ROW_TILE < out ? r0 + ROW_TILE : out;
-            for (int64_t b = 0; b < B; b += MAX_BATCH_PASS) {
-                int64_t nb = B - b < MAX_BATCH_PASS ? B - b : MAX_BATCH_PASS;
+            for (int64_t b = 0; b < B; b += DENSE_BATCH_PASS) {
+                int64_t nb = B - b < DENSE_BATCH_PASS ? B - b : DENSE_BATCH_PASS;
                 const float *xb = x + b * in;
                 float *yb = y + b * out;
                 switch (nb) {   /* a constant nb per case: the loop over inputs unrolls into registers */
@@ -152,7 +164,52 @@ static int64_t matmul(const float *W, const float *bias, const float *x, float *
 /* ms_matmul with the caller's OpenMP default team (PyTorch's thread count). Exported for the tests. */
 void ms_matmul(const float *W, const float *bias, const float *x, float *y, int64_t B, int64_t in,
                int64_t out, int accumulate) {
-    matmul(W, bias, x, y, B, in, out, accumulate, omp_get_max_threads());
+    dense_matmul(W, bias, x, y, B, in, out, accumulate, omp_get_max_threads());
+}
+
+/* The same product for a weight in any format. Quantized ones go through quant_dot.h's loops, which
+ * dequantize in registers as the codes stream in (the same code kernels/quant.py runs), so a step
+ * reads 1 (int8) or ~0.6 (int4, with scales and mins) bytes per weight instead of 4.
+ * xs: scratch of B * in floats, where int4 needs x in order_columns's order (its nibble order). */
+static int64_t matmul(const Weight *w, const float *x, float *xs, float *y, int64_t B, int64_t in,
+                      int64_t out, int accumulate, int nthreads) {
+    if (w->format == WEIGHT_F32)
+        return dense_matmul(w->data, w->bias, x, y, B, in, out, accumulate, nthreads);
+    if (w->format == WEIGHT_INT4) {
+        order_columns(x, xs, B * in);
+        x = xs;
+    }
+    QWeight q = {w->format == WEIGHT_INT8 ? 8 : 4, w->data, w->scales, w->mins, w->bias,
+                 w->group_size, in, out};
+    return qmatmul(&q, x, y, B, accumulate, nthreads);
+}
+
+/* Whether w is a format this file implements for an [out, in] matrix (a last check: kernels/decode.py
+ * validates every tensor first). A wrong group would make int4_rows read past the scales. */
+static int weight_ok(const Weight *w, int64_t in) {
+    if (!w->data) return 0;
+    switch (w->format) {
+    case WEIGHT_F32: return 1;
+    case WEIGHT_INT8: return w->scales != NULL;
+    case WEIGHT_INT4:
+        return w->scales && w->mins && in % 32 == 0 && in % w->group_size == 0
+               && (w->group_size == 32 || w->group_size == 64 || w->group_size == 128);
+    default: return 0;
+    }
+}
+
+static int model_ok(const ModelPtrs *m) {
+    int64_t E = m->hidden, HD = m->num_heads * m->head_dim, I = m->intermediate;
+    if (m->kv_format != KV_F32 && m->kv_format != KV_INT8) return 0;
+    if (!weight_ok(&m->lm_head, E)) return 0;
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const LayerPtrs *L = &m->layers[l];
+        if (!weight_ok(&L->qkv, E) || !weight_ok(&L->o_proj, HD) || !weight_ok(&L->gate_up, E)
+            || !weight_ok(&L->down, I))
+            return 0;
+        if (m->kv_format == KV_INT8 && (!L->k_scales || !L->v_scales)) return 0;
+    }
+    return 1;
 }
 
 /* out = x / sqrt(mean(x^2) + eps) * w, per row (the mean of squares accumulated in fp32). */
@@ -190,64 +247,9 @@ float ms_exp_shifted(float *x, int64_t n, float shift) {
     return sum;
 }
 
-static inline float dot(const float *a, const float *b, int64_t n) {
-    vf16 acc = (vf16){0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) acc += *(const vf16 *)(a + i) * *(const vf16 *)(b + i);
-    float s = hsum(acc);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-static inline void axpy(float a, const float *x, float *y, int64_t n) {   /* y += a x */
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) *(vf16 *)(y + i) += a * *(const vf16 *)(x + i);
-    for (; i < n; i++) y[i] += a * x[i];
-}
-
-/* Softmax attention of one query head over n_ctx cached keys/values of one kv head. */
-static void attend(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
-                   int64_t n_ctx, int64_t bs, int64_t kv_head, int64_t Hkv, int64_t D, float scale,
-                   float *scores, float *out) {
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < n_ctx; t++) {
-        float s = dot(q, k_cache + ((table[t / bs] * bs + t % bs) * Hkv + kv_head) * D, D) * scale;
-        scores[t] = s;
-        mx = s > mx ? s : mx;
-    }
-    float inv = 1.0f / ms_exp_shifted(scores, n_ctx, mx);
-    memset(out, 0, D * sizeof(float));
-    for (int64_t t = 0; t < n_ctx; t++)
-        axpy(scores[t], v_cache + ((table[t / bs] * bs + t % bs) * Hkv + kv_head) * D, out, D);
-    for (int64_t d = 0; d < D; d++) out[d] *= inv;
-}
-
-/* RoPE on q and k, every row's new k/v written to its slot, then every (row, head) attends.
- * Two phases on purpose: ALL rows' K/V of this layer are in the cache before ANY row attends, so
- * row j of a sequence (position c + j) finds rows 0..j-1 of the same step among its keys 0..c+j,
- * exactly as the PyTorch path writes the cache first and masks causally. (Writing inside the
- * parallel loop would race: row j could read row j-1's slot before that row's thread wrote it.) */
-static void attention_block(const ModelPtrs *m, const LayerPtrs *L, const Scratch *s, int64_t B,
-                            const int64_t *positions, const int64_t *tables, int64_t table_stride,
-                            int nthreads) {
-    int64_t H = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim, bs = m->block_size;
-    int64_t qkv_dim = (H + 2 * Hkv) * D;
-    for (int64_t b = 0; b < B; b++) {   /* phase 1, serial: writes never race */
-        float *row = s->qkv + b * qkv_dim;
-        int64_t pos = positions[b];
-        rope(row, H + Hkv, D, m->cos + pos * D, m->sin_signed + pos * D);  /* q and k heads adjoin */
-        int64_t slot = tables[b * table_stride + pos / bs] * bs + pos % bs;
-        memcpy(L->k_cache + slot * Hkv * D, row + H * D, Hkv * D * sizeof(float));
-        memcpy(L->v_cache + slot * Hkv * D, row + (H + Hkv) * D, Hkv * D * sizeof(float));
-    }
-    #pragma omp parallel for schedule(static) num_threads(nthreads)   /* phase 2: reads only */
-    for (int64_t bh = 0; bh < B * H; bh++) {
-        int64_t b = bh / H, h = bh % H;
-        attend(s->qkv + b * qkv_dim + h * D, L->k_cache, L->v_cache, tables + b * table_stride,
-               positions[b] + 1, bs, h / (H / Hkv), Hkv, D, m->scale, s->scores + bh * s->scores_stride,
-               s->attn + b * H * D + h * D);
-    }
-}
+/* Attention and the KV cache's reads and writes (float32 or int8): static functions that use the
+ * structs and helpers above, kept in their own file to keep this one readable. */
+#include "decode_attention.h"
 
 /* SwiGLU: silu(gate) * up, with silu(g) = g / (1 + exp(-g)) as PyTorch computes it. */
 static void silu_mul(const float *gate_up, float *out, int64_t B, int64_t inter) {
@@ -266,26 +268,29 @@ static void silu_mul(const float *gate_up, float *out, int64_t B, int64_t inter)
 /* One step over B rows (tokens; see the top of this file): embeddings in, logits of the given rows
  * out. The scratch buffers hold at least B rows, and n_logits <= B (checked in kernels/decode.py).
  * nthreads: the OpenMP team size of every parallel region (<= 0: the caller's default, PyTorch's
- * thread count). Returns the team size the regions ran with, so the caller can check it. */
+ * thread count). Returns the team size the regions ran with, so the caller can check it, or -1
+ * (nothing computed) when a weight or cache format is not one this file implements. */
 int64_t ms_decode_step(const ModelPtrs *m, const Scratch *s, int64_t B, const int64_t *token_ids,
                        const int64_t *positions, const int64_t *tables, int64_t table_stride,
                        const int64_t *logit_rows, int64_t n_logits, float *logits, int64_t nthreads) {
     int64_t E = m->hidden, H = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim;
     int64_t qkv_dim = (H + 2 * Hkv) * D, I = m->intermediate;
     int nt = nthreads > 0 ? (int)nthreads : omp_get_max_threads();
+    if (!model_ok(m)) return -1;
     for (int64_t b = 0; b < B; b++) memcpy(s->h + b * E, m->embed + token_ids[b] * E, E * sizeof(float));
+    int64_t n_items = plan_attention(m, s, B, positions, tables, table_stride);
     for (int64_t l = 0; l < m->num_layers; l++) {
         const LayerPtrs *L = &m->layers[l];
         ms_rms_norm(s->h, L->input_norm, s->x, B, E, m->eps);
-        matmul(L->qkv, L->qkv_bias, s->x, s->qkv, B, E, qkv_dim, 0, nt);
-        attention_block(m, L, s, B, positions, tables, table_stride, nt);
-        matmul(L->o_proj, NULL, s->attn, s->h, B, H * D, E, 1, nt);          /* h += o_proj(attn) */
+        matmul(&L->qkv, s->x, s->xs, s->qkv, B, E, qkv_dim, 0, nt);
+        attention_block(m, L, s, B, positions, n_items, nt);
+        matmul(&L->o_proj, s->attn, s->xs, s->h, B, H * D, E, 1, nt);      /* h += o_proj(attn) */
         ms_rms_norm(s->h, L->post_norm, s->x, B, E, m->eps);
-        matmul(L->gate_up, NULL, s->x, s->gate_up, B, E, 2 * I, 0, nt);
+        matmul(&L->gate_up, s->x, s->xs, s->gate_up, B, E, 2 * I, 0, nt);
         silu_mul(s->gate_up, s->act, B, I);
-        matmul(L->down, NULL, s->act, s->h, B, I, E, 1, nt);                 /* h += down(act) */
+        matmul(&L->down, s->act, s->xs, s->h, B, I, E, 1, nt);               /* h += down(act) */
     }
     for (int64_t r = 0; r < n_logits; r++)
         ms_rms_norm(s->h + logit_rows[r] * E, m->final_norm, s->x + r * E, 1, E, m->eps);
-    return matmul(m->lm_head, NULL, s->x, logits, n_logits, E, m->vocab, 0, nt);
+    return matmul(&m->lm_head, s->x, s->xs, logits, n_logits, E, m->vocab, 0, nt);
 }

@@ -12,9 +12,13 @@ step has one row per sequence; speculative verification gives a sequence k + 1 r
 consecutive positions sharing its table (:func:`rows_block_tables` builds those tables). Each
 layer writes every row's K/V before any row attends, so row j sees its own sequence's earlier rows.
 
-Weights are bound through :meth:`Linear.descriptor` (minserve/models/weights.py): the kernel
-implements dense float32 only and refuses anything else with the module's name
-(:func:`unsupported_reason`), so it never reads int8 codes or bf16 halves as float32.
+Weights are bound through :meth:`Linear.descriptor` (minserve/models/weights.py), one format per
+matrix: dense float32, int8 (one scale per output row) or int4 (groups of 32, 64 or 128 with a
+scale and a min each), in minserve/quant/formats.py's layouts; each Linear of each layer and the LM
+head may differ. The kernel refuses anything else with the module's name (:func:`unsupported_reason`),
+so it never reads int8 codes or bf16 halves as float32. The KV cache is float32 ``(key, value)``
+per layer, or ``kv_cache_dtype="int8"``'s ``(key codes, value codes, key scales, value scales)``,
+written and read in place (quantized on write exactly as kernels/triton/reference.py does).
 Half precision and GPUs keep using the PyTorch path.
 """
 
@@ -29,37 +33,57 @@ from minserve.models.weights import DENSE
 
 _f32p = ctypes.POINTER(ctypes.c_float)
 _i64p = ctypes.POINTER(ctypes.c_int64)
+_i8p = ctypes.POINTER(ctypes.c_int8)
+_u8p = ctypes.POINTER(ctypes.c_uint8)
 _I64 = ctypes.c_int64
-_KERNEL = "the fused decode kernel implements dense float32 only"
+_DTYPES = {_f32p: torch.float32, _i64p: torch.int64, _i8p: torch.int8, _u8p: torch.uint8}
+_KERNEL = ("the fused decode kernel implements dense float32, int8 (one scale per output row) and "
+           "int4 (groups of 32, 64 or 128) only")
+INT4_GROUP_SIZES = (32, 64, 128)   # the int4 group sizes decode.c compiles a loop for
+# decode.c's enums: a matrix's format, and the KV cache's.
+WEIGHT_F32, WEIGHT_INT8, WEIGHT_INT4 = 0, 1, 2
+KV_F32, KV_INT8 = 0, 1
+
+
+class _Weight(ctypes.Structure):   # decode.c's Weight: one matrix in its own format
+    _fields_ = [("format", _I64), ("data", ctypes.c_void_p), ("scales", _f32p), ("mins", _f32p),
+                ("bias", _f32p), ("group_size", _I64)]
 
 
 class _LayerPtrs(ctypes.Structure):
-    _fields_ = [(n, _f32p) for n in ("input_norm", "qkv", "qkv_bias", "o_proj", "post_norm",
-                                      "gate_up", "down", "k_cache", "v_cache")]
+    _fields_ = ([(n, _f32p) for n in ("input_norm", "post_norm")]
+                + [(n, _Weight) for n in ("qkv", "o_proj", "gate_up", "down")]
+                + [(n, ctypes.c_void_p) for n in ("k_cache", "v_cache")]
+                + [(n, _f32p) for n in ("k_scales", "v_scales")])
 
 
 class _ModelPtrs(ctypes.Structure):
     _fields_ = ([(n, _I64) for n in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
-                                    "intermediate", "vocab", "block_size")]
+                                    "intermediate", "vocab", "block_size", "kv_format")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-                + [(n, _f32p) for n in ("embed", "final_norm", "lm_head", "cos", "sin_signed")]
-                + [("layers", ctypes.POINTER(_LayerPtrs))])
+                + [(n, _f32p) for n in ("embed", "final_norm", "cos", "sin_signed")]
+                + [("lm_head", _Weight), ("layers", ctypes.POINTER(_LayerPtrs))])
 
 
 class _Scratch(ctypes.Structure):
-    _fields_ = ([(n, _f32p) for n in ("h", "x", "qkv", "attn", "gate_up", "act", "scores")]
-                + [("scores_stride", _I64)])
+    _fields_ = ([(n, _f32p) for n in ("h", "x", "qkv", "attn", "gate_up", "act", "xs", "scores")]
+                + [("scores_stride", _I64), ("slots", _i64p), ("partials", _f32p), ("items", _i64p)])
 
 
 def _ptr(t: torch.Tensor | None, kind=_f32p):
     if t is None:
         return kind()
     # The last line of defence: C reads whatever the pointer points at as `kind`.
-    want = torch.float32 if kind is _f32p else torch.int64
+    want = _DTYPES[kind]
     if t.dtype != want or not t.is_contiguous() or t.device.type != "cpu":
         raise TypeError(f"binding a {t.dtype} tensor (contiguous: {t.is_contiguous()}, {t.device}) "
                         f"as contiguous CPU {want}")
     return ctypes.cast(t.data_ptr(), kind)
+
+
+def _void(t: torch.Tensor, kind) -> ctypes.c_void_p:
+    """An untyped pointer for a field whose type the struct's format names, checked as ``kind``."""
+    return ctypes.cast(_ptr(t, kind), ctypes.c_void_p)
 
 
 def rows_block_tables(query_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
@@ -76,15 +100,15 @@ def rows_block_tables(query_lens: list[int], block_tables: list[list[int]]) -> t
 
 # ---- binding: every tensor the kernel reads, checked against the model config -------------------
 
-def _f32(name: str, t: torch.Tensor | None, shape: tuple) -> torch.Tensor:
-    """``t`` if it is a contiguous CPU float32 tensor of ``shape`` (None: any size), else refuse."""
+def _tensor(name: str, t: torch.Tensor | None, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    """``t`` if it is a contiguous CPU tensor of ``dtype`` and ``shape`` (None: any size), else refuse."""
     if t is None:
         raise KernelUnavailable(f"{name} is missing")
     if t.device.type != "cpu":
         raise KernelUnavailable(f"{name} is on {t.device.type}; the fused decode kernel is CPU-only")
-    if t.dtype != torch.float32:
-        raise KernelUnavailable(f"{name}: {str(t.dtype).removeprefix('torch.')} {list(t.shape)}; "
-                                f"{_KERNEL}")
+    if t.dtype != dtype:
+        raise KernelUnavailable(f"{name}: {str(t.dtype).removeprefix('torch.')} {list(t.shape)}, "
+                                f"the fused decode kernel reads it as {str(dtype).removeprefix('torch.')}")
     if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
         want = [s if s is not None else "*" for s in shape]
         raise KernelUnavailable(f"{name} has shape {list(t.shape)}, the model config implies {want}")
@@ -93,47 +117,100 @@ def _f32(name: str, t: torch.Tensor | None, shape: tuple) -> torch.Tensor:
     return t
 
 
-def _dense(name: str, module, out: int, inp: int, bias_ok: bool = False):
-    """(weight, bias) of a linear layer whose descriptor is dense float32 [out x inp], else refuse."""
+def _f32(name: str, t: torch.Tensor | None, shape: tuple) -> torch.Tensor:
+    return _tensor(name, t, torch.float32, shape)
+
+
+def _dense(name: str, d, out: int, inp: int):
+    if d.dtype != torch.float32:
+        raise KernelUnavailable(f"{name}: {d.describe()}; {_KERNEL}")
+    if d.scales is not None or d.zero_points is not None:
+        raise KernelUnavailable(f"{name}: a dense descriptor with scales or zero points; {_KERNEL}")
+    return WEIGHT_F32, (_f32(f"{name}.weight", d.data, (out, inp)), _f32p), None, None, 0
+
+
+def _int8(name: str, d, out: int, inp: int):
+    if d.zero_points is not None or d.group_size is not None:  # formats.py: symmetric, per row
+        raise KernelUnavailable(f"{name}: {d.describe()} with zero points or a group size; {_KERNEL}")
+    return (WEIGHT_INT8, (_tensor(f"{name}.codes", d.data, torch.int8, (out, inp)), _i8p),
+            _f32(f"{name}.scales", d.scales, (out,)), None, 0)
+
+
+def _int4(name: str, d, out: int, inp: int):
+    g = d.group_size
+    if g not in INT4_GROUP_SIZES or inp % g:
+        raise KernelUnavailable(f"{name}: {d.describe()}: group size {g!r} is not one of "
+                                f"{INT4_GROUP_SIZES} dividing in_features {inp}; {_KERNEL}")
+    groups = (out, inp // g)
+    return (WEIGHT_INT4, (_tensor(f"{name}.codes", d.data, torch.uint8, (out, inp // 2)), _u8p),
+            _f32(f"{name}.scales", d.scales, groups), _f32(f"{name}.mins", d.zero_points, groups), g)
+
+
+_FORMATS = {DENSE: _dense, "int8": _int8, "int4": _int4}
+
+
+def _weight(name: str, module, out: int, inp: int, bias_ok: bool = False):
+    """(the C Weight, the tensors it points into) for a linear layer's descriptor, else refuse."""
     if not hasattr(module, "descriptor"):
         raise KernelUnavailable(f"{name}: {type(module).__name__} has no descriptor(); the fused "
                                 "decode kernel binds weights only through descriptors")
     d = module.descriptor()
-    if d.format != DENSE or d.dtype != torch.float32:
+    if d.format not in _FORMATS:
         raise KernelUnavailable(f"{name}: {d.describe()}; {_KERNEL}")
     if (d.out_features, d.in_features) != (out, inp):
         raise KernelUnavailable(f"{name}: {d.describe()}, the model config implies [{out} x {inp}]")
-    if d.scales is not None or d.zero_points is not None:
-        raise KernelUnavailable(f"{name}: a dense descriptor with scales or zero points; {_KERNEL}")
     if d.bias is not None and not bias_ok:  # the kernel adds a bias only after q/k/v
         raise KernelUnavailable(f"{name} has a bias, which the fused decode kernel does not apply")
     bias = None if d.bias is None else _f32(f"{name}.bias", d.bias, (out,))
-    return _f32(f"{name}.weight", d.data, (out, inp)), bias
+    fmt, (data, kind), scales, mins, group = _FORMATS[d.format](name, d, out, inp)
+    w = _Weight(fmt, _void(data, kind), _ptr(scales), _ptr(mins), _ptr(bias), group)
+    return w, [t for t in (data, scales, mins, bias) if t is not None]
 
 
-def _kv_shape(kv_caches, cfg) -> tuple[int, int, int, int]:
+def _kv_layout(kv_caches, cfg) -> tuple[int, tuple[int, int, int, int]]:
+    """(KV_F32 or KV_INT8, the cache shape) from layer 0; every layer is then checked against it."""
     if len(kv_caches) != cfg.num_layers:
         raise KernelUnavailable(f"{len(kv_caches)} KV caches for {cfg.num_layers} layers")
+    n = len(kv_caches[0])
+    if n not in (2, 4):
+        raise KernelUnavailable(f"kv_caches[0] holds {n} tensors; the fused decode kernel reads "
+                                "(key, value) float32 or (key, value, key_scales, value_scales) int8")
     k0 = kv_caches[0][0]
     if k0.dim() != 4:
         raise KernelUnavailable(f"kv_caches[0].key has shape {list(k0.shape)}, expected "
                                 "[blocks, block_size, kv_heads, head_dim]")
-    return (k0.shape[0], k0.shape[1], cfg.num_kv_heads, cfg.head_dim)
+    return (KV_INT8 if n == 4 else KV_F32), (k0.shape[0], k0.shape[1], cfg.num_kv_heads, cfg.head_dim)
 
 
-def _bind_layer(i: int, layer, kv, cfg, kv_shape) -> tuple[_LayerPtrs, list[torch.Tensor]]:
+def _bind_kv(i: int, kv, kv_format: int, shape) -> list[torch.Tensor]:
+    """Layer i's [key, value] (float32) or [key codes, value codes, key scales, value scales]."""
+    names = [f"kv_caches[{i}].{n}" for n in ("key", "value", "key_scales", "value_scales")]
+    if len(kv) != (4 if kv_format == KV_INT8 else 2):
+        raise KernelUnavailable(f"kv_caches[{i}] holds {len(kv)} tensors, kv_caches[0] "
+                                f"{4 if kv_format == KV_INT8 else 2}: every layer needs the same layout")
+    if kv_format == KV_F32:
+        return [_f32(names[0], kv[0], shape), _f32(names[1], kv[1], shape)]
+    return ([_tensor(n, t, torch.int8, shape) for n, t in zip(names, kv[:2])]
+            + [_f32(n, t, shape[:3]) for n, t in zip(names[2:], kv[2:])])
+
+
+def _bind_layer(i: int, layer, kv, cfg, kv_layout) -> tuple[_LayerPtrs, list[torch.Tensor]]:
     E, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     H, Hkv, p = cfg.num_heads, cfg.num_kv_heads, f"layers.{i}."
     attn, mlp = layer.self_attn, layer.mlp
-    qkv, qkv_bias = _dense(p + "self_attn.qkv_proj", attn.qkv_proj, (H + 2 * Hkv) * D, E, bias_ok=True)
-    o_proj, _ = _dense(p + "self_attn.o_proj", attn.o_proj, E, H * D)
-    gate_up, _ = _dense(p + "mlp.gate_up_proj", mlp.gate_up_proj, 2 * I, E)
-    down, _ = _dense(p + "mlp.down_proj", mlp.down_proj, E, I)
-    bound = [_f32(p + "input_layernorm.weight", layer.input_layernorm.weight, (E,)), qkv, qkv_bias,
-             o_proj, _f32(p + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight,
-                          (E,)), gate_up, down,
-             _f32(f"kv_caches[{i}].key", kv[0], kv_shape), _f32(f"kv_caches[{i}].value", kv[1], kv_shape)]
-    return _LayerPtrs(*[_ptr(t) for t in bound]), bound
+    weights = {"qkv": _weight(p + "self_attn.qkv_proj", attn.qkv_proj, (H + 2 * Hkv) * D, E, bias_ok=True),
+               "o_proj": _weight(p + "self_attn.o_proj", attn.o_proj, E, H * D),
+               "gate_up": _weight(p + "mlp.gate_up_proj", mlp.gate_up_proj, 2 * I, E),
+               "down": _weight(p + "mlp.down_proj", mlp.down_proj, E, I)}
+    norms = [_f32(p + "input_layernorm.weight", layer.input_layernorm.weight, (E,)),
+             _f32(p + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight, (E,))]
+    kv_format, shape = kv_layout
+    cache = _bind_kv(i, kv, kv_format, shape)
+    codes = _i8p if kv_format == KV_INT8 else _f32p
+    scales = [_ptr(t) for t in cache[2:]] or [_f32p(), _f32p()]
+    ptrs = _LayerPtrs(_ptr(norms[0]), _ptr(norms[1]), *[w for w, _ in weights.values()],
+                      _void(cache[0], codes), _void(cache[1], codes), *scales)
+    return ptrs, norms + cache + [t for _, kept in weights.values() for t in kept]
 
 
 def _bind(model, kv_caches) -> tuple[_ModelPtrs, object, list]:
@@ -144,20 +221,20 @@ def _bind(model, kv_caches) -> tuple[_ModelPtrs, object, list]:
     embed = _f32("embed_tokens.weight", model.embed_tokens.weight, (V, E))
     if D % 2 or D > 1024:  # rope() rotates half-split pairs in a 1024-float stack buffer
         raise KernelUnavailable(f"head_dim {D} is odd or > 1024")
-    lm_head, _ = _dense("lm_head", model.lm_head, V, E)
+    lm_head, head_tensors = _weight("lm_head", model.lm_head, V, E)
     final_norm = _f32("norm.weight", model.norm.weight, (E,))
     cos = _f32("rotary.cos", model.rotary.cos, (None, D))
     sin = _f32("rotary.sin_signed", model.rotary.sin_signed, tuple(cos.shape))
-    kv_shape = _kv_shape(kv_caches, cfg)
-    layers, keep = [], [model, kv_caches, embed, lm_head, final_norm, cos, sin]
+    kv_layout = _kv_layout(kv_caches, cfg)
+    layers, keep = [], [model, kv_caches, embed, final_norm, cos, sin, *head_tensors]
     for i, (layer, kv) in enumerate(zip(model.layers, kv_caches)):
-        ptrs, bound = _bind_layer(i, layer, kv, cfg, kv_shape)
+        ptrs, bound = _bind_layer(i, layer, kv, cfg, kv_layout)
         layers.append(ptrs)
         keep += bound
     array = (_LayerPtrs * cfg.num_layers)(*layers)
     ptrs = _ModelPtrs(cfg.num_layers, E, cfg.num_heads, cfg.num_kv_heads, D, cfg.intermediate_size,
-                      V, kv_shape[1], cfg.rms_norm_eps, D ** -0.5, _ptr(embed), _ptr(final_norm),
-                      _ptr(lm_head), _ptr(cos), _ptr(sin), array)
+                      V, kv_layout[1][1], kv_layout[0], cfg.rms_norm_eps, D ** -0.5, _ptr(embed),
+                      _ptr(final_norm), _ptr(cos), _ptr(sin), lm_head, array)
     return ptrs, array, keep
 
 
@@ -181,7 +258,7 @@ class FusedDecoder:
     :meth:`supports` accepts only steps whose every query length is 1, as it always did.
     """
 
-    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, ...]],
                  max_rows: int | None = None, *, max_batch: int | None = None):
         if (max_rows is None) == (max_batch is None):
             raise TypeError("FusedDecoder takes max_rows (or the older max_batch), exactly one")
@@ -199,11 +276,14 @@ class FusedDecoder:
         self._blocks, self._positions = kv_caches[0][0].shape[0], model.rotary.cos.shape[0]
         cfg = model.config
         e, qkv = cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        sizes = dict(h=e, x=e, qkv=qkv, attn=cfg.num_heads * cfg.head_dim,
-                     gate_up=2 * cfg.intermediate_size, act=cfg.intermediate_size)
+        attn, inter = cfg.num_heads * cfg.head_dim, cfg.intermediate_size
+        # xs: an int4 matrix's input in its nibble order (decode.c's matmul), as wide as any input.
+        sizes = dict(h=e, x=e, qkv=qkv, attn=attn, gate_up=2 * inter, act=inter, xs=max(e, attn, inter))
         self._buffers = {n: torch.empty(limit, size) for n, size in sizes.items()}
-        self._scores = torch.empty(0)
-        self._scratch = _Scratch(*[_ptr(self._buffers[n]) for n in sizes], _ptr(self._scores), 0)
+        self._key_chunk = _I64.in_dll(self._lib, "ms_key_chunk").value   # keys per attention item
+        self._kv_heads, self._head_dim = cfg.num_kv_heads, cfg.head_dim
+        self._attention = {}   # the attention scratch (_ensure_scores), kept alive here
+        self._scratch = _Scratch(*[_ptr(self._buffers[n]) for n in sizes])
 
     @property
     def max_batch(self) -> int:  # the older name: rows were sequences when every step was a decode
@@ -216,18 +296,27 @@ class FusedDecoder:
         return sum(query_lens) <= self.max_rows
 
     def _ensure_scores(self, rows: int, context: int) -> None:
-        # Softmax scratch, one row per (query row, head). It grows with the longest context and
-        # the most rows seen, not with the model's maximum length (which may be 128k tokens)
-        # times max_rows: a verification step's k + 1 rows need not cost k + 1 times the memory.
+        # Attention scratch, per query row: softmax scores (one row per head), the cache slot of
+        # each key, and per (kv head, chunk of keys) the partial results of each query head
+        # (decode_attention.h). It grows with the longest context and the most rows seen, not with
+        # the model's maximum length (which may be 128k tokens) times max_rows: k + 1 verification
+        # rows need not cost k + 1 times the memory.
         stride = self._scratch.scores_stride
+        old_rows = self._attention["slots"].numel() // stride if stride else 0
+        if stride >= context and old_rows >= rows:
+            return
         if stride < context:
             stride = max(context, 2 * stride, 256)
-        need = rows * self._model.num_heads * stride
-        if stride == self._scratch.scores_stride and self._scores.numel() >= need:
-            return
-        old_rows = self._scores.numel() // max(1, self._model.num_heads * self._scratch.scores_stride)
-        self._scores = torch.empty(max(rows, old_rows) * self._model.num_heads * stride)
-        self._scratch.scores, self._scratch.scores_stride = _ptr(self._scores), stride
+        rows, heads = max(rows, old_rows), self._model.num_heads
+        chunks = -(-stride // self._key_chunk)
+        self._attention = dict(
+            scores=torch.empty(rows * heads * stride), slots=torch.empty(rows * stride, dtype=torch.int64),
+            partials=torch.empty(rows * heads * chunks * (self._head_dim + 2)),
+            items=torch.empty(rows * self._kv_heads * chunks, dtype=torch.int64))
+        a = self._attention
+        self._scratch.scores, self._scratch.scores_stride = _ptr(a["scores"]), stride
+        self._scratch.slots, self._scratch.items = _ptr(a["slots"], _i64p), _ptr(a["items"], _i64p)
+        self._scratch.partials = _ptr(a["partials"])
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                  logits_indices: torch.Tensor, num_threads: int = 0) -> torch.Tensor:
@@ -245,10 +334,13 @@ class FusedDecoder:
         self._check(ids, pos, tables, rows)
         self._ensure_scores(ids.shape[0], int(pos.max()) + 1)
         logits = torch.empty(rows.shape[0], self._model.vocab)
-        self.last_team_size = self._lib.ms_decode_step(
+        team = self._lib.ms_decode_step(
             ctypes.byref(self._model), ctypes.byref(self._scratch), _I64(ids.shape[0]),
             _ptr(ids, _i64p), _ptr(pos, _i64p), _ptr(tables, _i64p), _I64(tables.shape[1]),
             _ptr(rows, _i64p), _I64(rows.shape[0]), _ptr(logits), _I64(max(0, int(num_threads))))
+        if team < 0:  # decode.c's own format check; _bind checked the same before, so a bug here
+            raise RuntimeError("ms_decode_step refused the bound weights or KV cache formats")
+        self.last_team_size = team
         return logits
 
     def _check(self, ids, pos, tables, rows) -> None:

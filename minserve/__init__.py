@@ -23,6 +23,7 @@ def _kernels_from_checkout() -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
+    globals()["kernels"] = module  # as an import would: minserve.kernels is an attribute too
 
 
 _kernels_from_checkout()

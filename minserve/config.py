@@ -7,6 +7,7 @@ written for minserve keeps working when it is pointed at vLLM.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -14,11 +15,17 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from minserve.spec.config import parse_speculative_config
+
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+
+# vLLM's kv_cache_dtype values that minserve implements: "auto" stores K/V in the model dtype;
+# "int8" stores int8 codes plus a float32 scale per (token, kv head) (engine/kv_cache.py).
+KV_CACHE_DTYPES = ("auto", "int8")
 
 # The KV pool of a CPU engine when neither num_kv_blocks nor kv_cache_memory is given.
 DEFAULT_CPU_KV_CACHE_MEMORY = "1GiB"
@@ -104,8 +111,30 @@ class EngineConfig:
     # Request.priority first; the lowest-priority running request is preempted first; a waiting
     # request may preempt strictly lower-priority running ones). engine/scheduler.py.
     scheduling_policy: str = "fcfs"
+    # vLLM's quantization: None (the model's dtype), "int8", "int4" or "int4-awq", applied to the
+    # loaded weights at start-up (minserve/quant/schemes.py). quantization_config: that format's
+    # settings, a dict or its JSON text (the CLI), e.g. {"group_size": 64, "lm_head": "keep"}.
+    # Both are part of the prefix-cache key.
+    quantization: str | None = None
+    quantization_config: dict | str | None = None
+    # minserve's own: one memory budget for weights *and* KV cache (bytes or "1GiB"): the KV pool
+    # gets what the resident weights leave, so a smaller format buys KV blocks. Resolved once the
+    # weights are built, into kv_cache_memory (engine/model_runner.py); excludes num_kv_blocks and
+    # kv_cache_memory.
+    memory_budget: int | str | None = None
+    # vLLM's kv_cache_dtype: "auto" (the model dtype) or "int8" (symmetric, a float32 scale per
+    # token slot and kv head: ~4x the tokens of fp32 in the same memory, less the scales' share;
+    # engine/kv_cache.py). Part of the prefix-cache key.
+    kv_cache_dtype: str = "auto"
+
+    # vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": n, "prompt_lookup_min": m} (or its JSON text); minserve adds
+    # "adaptive" (default true): stop proposing where measured steps say it does not pay.
+    # Parsed into a minserve.spec.config.SpeculativeConfig. minserve/spec/.
+    speculative_config: dict | str | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = parse_speculative_config(self.speculative_config)
         _check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
         _check_int("block_size", self.block_size, 1, 256)
@@ -132,8 +161,35 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.fused_decode not in (None, True, False):
             raise ValueError(f"fused_decode must be None (auto), True or False, got {self.fused_decode!r}")
+        self._check_quantization()
+
+    def _check_quantization(self) -> None:
+        """Parse quantization_config and build the scheme (a bad format, key or value fails before
+        any loading); check memory_budget against the other KV sizes."""
+        from minserve.quant.schemes import make_scheme  # lazy: quant imports the model layers
+        qc = self.quantization_config
+        if isinstance(qc, str):
+            try:
+                qc = json.loads(qc)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"quantization_config must be a dict or its JSON text, got {qc!r} ({e})") from e
+        if qc is not None and not isinstance(qc, dict):
+            raise ValueError(f"quantization_config must be a dict or its JSON text, got {qc!r}")
+        if qc and self.quantization is None:
+            raise ValueError(f"quantization_config={qc!r} needs a format: quantization='int4' (or int8, int4-awq)")
+        self.quantization_config = qc
+        self.quant_scheme = None if self.quantization is None else make_scheme(self.quantization, qc)
+        self.memory_budget_bytes = None
+        if self.memory_budget is not None:
+            self.memory_budget_bytes = parse_bytes(self.memory_budget, "memory_budget")
+            given = [n for n in ("num_kv_blocks", "kv_cache_memory") if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"memory_budget sizes the KV cache as the budget less the weights; "
+                                 f"do not also give {' or '.join(given)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -85,7 +85,8 @@ def test_greedy_agreement(tiny, texts):
 
 def test_formats_and_thresholds():
     spec = gate.parse_format("int4:group_size=128:note=x")
-    assert (spec.quantization, spec.engine_args) == ("int4", {"group_size": 128, "note": "x"})
+    # a format's own settings go into quantization_config (the engine's argument), the rest stay
+    assert (spec.quantization, spec.engine_args) == ("int4", {"note": "x", "quantization_config": {"group_size": 128}})
     assert gate.parse_format("fp32").is_reference and gate.parse_format("none").is_reference
     assert not gate.parse_format("fp32:kv_cache_dtype=int8").is_reference
     with pytest.raises(ValueError, match="key=value"):

@@ -179,16 +179,18 @@ def _replaced(runner, path: str, make) -> str:
 
 
 @pytest.mark.parametrize("path,make,expected", [
-    ("layers.1.mlp.down_proj", lambda d: WeightDescriptor(
+    ("layers.1.mlp.down_proj", lambda d: WeightDescriptor(  # int8 is implemented, float64 scales not
         "int8", d.in_features, d.out_features, torch.zeros(d.out_features, d.in_features, dtype=torch.int8),
-        scales=torch.ones(d.out_features)),
-     r"layers\.1\.mlp\.down_proj: int8 \[\d+ x \d+\]; .*dense float32"),
+        scales=torch.ones(d.out_features, dtype=torch.float64)),
+     r"layers\.1\.mlp\.down_proj\.scales: float64 \[\d+\], the fused decode kernel reads it as float32"),
     ("layers.0.self_attn.qkv_proj", lambda d: WeightDescriptor(
         "dense", d.in_features, d.out_features, d.data.bfloat16()),
-        r"layers\.0\.self_attn\.qkv_proj: dense bfloat16 .*dense float32 only"),
+        r"layers\.0\.self_attn\.qkv_proj: dense bfloat16 .*implements dense float32, int8 .* only"),
     ("lm_head", lambda d: WeightDescriptor("int4", d.in_features, d.out_features,
                                            torch.zeros(1, dtype=torch.uint8), group_size=32),
-     r"lm_head: int4 g32"),
+     r"lm_head\.codes has shape \[1\], the model config implies"),
+    ("lm_head", lambda d: WeightDescriptor("nf4", d.in_features, d.out_features, d.data),
+     r"lm_head: nf4 \[\d+ x \d+\]; the fused decode kernel implements"),
     ("layers.1.self_attn.o_proj", lambda d: WeightDescriptor(  # sizes the config does not imply
         "dense", d.in_features + 16, d.out_features, torch.zeros(d.out_features, d.in_features + 16)),
      r"layers\.1\.self_attn\.o_proj: dense float32 .* config implies"),

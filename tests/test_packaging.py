@@ -89,7 +89,8 @@ def test_bare_checkout_without_an_install_finds_the_kernels():
 def test_kernel_cache_key_covers_the_source_not_its_location(tmp_path, monkeypatch):
     """A copy elsewhere (an installed wheel) reuses the build; an edited source gets a new one."""
     original = kernel_build.library_path("decode")
-    shutil.copy(kernel_build.SOURCE_DIR / "decode.c", tmp_path / "decode.c")
+    for src in [*kernel_build.SOURCE_DIR.glob("*.c"), *kernel_build.SOURCE_DIR.glob("*.h")]:
+        shutil.copy(src, tmp_path / src.name)   # decode.c and the headers it includes
     monkeypatch.setattr(kernel_build, "SOURCE_DIR", tmp_path)
     assert kernel_build.library_path("decode") == original
     with open(tmp_path / "decode.c", "a") as f:

@@ -77,23 +77,34 @@ def test_smollm2_bytes_match_the_engine(smol_llm):
 
 
 def test_quantized_weight_bytes_follow_the_formats():
+    """minserve's layouts (minserve/quant/sizes.py): float32 scales (and int4 mins) whatever the
+    activation dtype; the LM head quantized by default (the engine's policy), its table untied."""
     mats = [(64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128)] * 2  # tiny's matrices
     dense = sum(o * i for o, i in mats)
-    other = (2 * 2 + 1) * 64 + 49152 * 64  # norms + LM head, in the activation dtype
-    table = 49152 * 64                     # untied embedding
-    w8 = weight_bytes(TINY, "int8")        # activations (and scales) default to bfloat16
-    assert (w8.block_weights, w8.scales) == (dense, sum(o for o, _ in mats) * 2)
-    assert (w8.other, w8.embedding) == (other * 2, table * 2)
-    w4 = weight_bytes(TINY, "int4", group_size=32)
-    assert w4.block_weights == dense // 2
-    assert w4.scales == sum(o * (i // 32) for o, i in mats) * 2 * 2  # scale + zero, 2 bytes each
-    assert weight_bytes(TINY, "int4", group_size=128).scales < w4.scales
+    norms = (2 * 2 + 1) * 64               # in the activation dtype
+    table = 49152 * 64                     # the LM head, and the untied embedding
+    w8 = weight_bytes(TINY, "int8")        # activations default to bfloat16
+    assert (w8.block_weights, w8.lm_head) == (dense, table)
+    assert w8.scales == (sum(o for o, _ in mats) + 49152) * 4
+    assert (w8.other, w8.embedding) == (norms * 2, table * 2)
+    kept = weight_bytes(TINY, "int8", lm_head="keep")
+    assert (kept.lm_head, kept.scales) == (table * 2, sum(o for o, _ in mats) * 4)
+    w4 = weight_bytes(TINY, "int4", group_size=32, lm_head="quantize")
+    assert (w4.block_weights, w4.lm_head) == (dense // 2, table // 2)
+    assert w4.scales == (sum(o * (i // 32) for o, i in mats) + 49152 * 2) * 2 * 4  # scale + min, 4 bytes each
+    w4d = weight_bytes(TINY, "int4")  # the default head: int8
+    assert (w4d.lm_head, w4d.scales) == (table, w4.scales - 49152 * 2 * 2 * 4 + 49152 * 4)
+    # group 128 divides only the 128-wide down_proj: the others plan with 64 (the engine's fallback)
+    assert weight_bytes(TINY, "int4", group_size=128).scales == weight_bytes(TINY, "int4", group_size=64).scales - \
+        2 * 64 * 1 * 2 * 4
     w4f = weight_bytes(TINY, "int4", dtype="float32", group_size=64)
-    assert w4f.scales == sum(o * math.ceil(i / 64) for o, i in mats) * 2 * 4 and w4f.other == other * 4
-    sizes = [weight_bytes(TINY, p).resident for p in ("fp32", "bf16", "int8", "int4")]
+    assert w4f.scales == sum(o * (i // 64) for o, i in mats) * 2 * 4 + 49152 * 4 and w4f.other == norms * 4
+    sizes = [weight_bytes(TINY, p).per_step for p in ("fp32", "bf16", "int8", "int4")]
     assert sizes == sorted(sizes, reverse=True)
     tied = ModelConfig.from_hf({**TINY_CONFIG, "tie_word_embeddings": True})
-    assert weight_bytes(tied, "bf16").embedding == 0 and weight_bytes(tied, "bf16").other == other * 2
+    assert weight_bytes(tied, "bf16").embedding == 0 and weight_bytes(tied, "bf16").lm_head == table * 2
+    assert weight_bytes(tied, "int4").embedding == table * 2  # a quantized head unties the table
+    assert weight_bytes(tied, "int4", lm_head="keep").embedding == 0
 
 
 def test_roofline_formulas():
@@ -204,7 +215,7 @@ def test_cli(capsys):
     assert main(["plan", "--model", "tiny-llama", "--hardware", "h100", "--context-len", "1024",
                  "--precision", "int4", "--memory", "80GiB"]) == 0
     out = capsys.readouterr().out
-    assert "max seqs at 1,024 tokens" in out and "H100 SXM" in out and "int4, group 128" in out
+    assert "max seqs at 1,024 tokens" in out and "H100 SXM" in out and "int4, group 32" in out
     assert main(["plan", "--list-hardware"]) == 0
     out = capsys.readouterr().out
     assert all(n in out for n in ("a100", "h200", "rtx4090", "this", "dense"))

@@ -50,7 +50,8 @@ class AttentionBackend(ABC):
 
     def layer_attention(self, num_heads: int, num_kv_heads: int, head_dim: int):
         """For backends that run inside the model: the per-layer op, called as
-        ``op(q, k, v, k_cache, v_cache, metadata)`` (LlamaForCausalLM.use_attention installs it)."""
+        ``op(q, k, v, k_cache, v_cache, metadata)``, with ``k_scales, v_scales`` after it for an
+        int8 KV cache (engine/kv_cache.py); LlamaForCausalLM.use_attention installs it."""
         raise NotImplementedError(f"the {self.name} backend runs the whole model")
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata,

@@ -4,6 +4,14 @@ Keys and values live in per-layer caches shaped ``[num_blocks, block_size, kv_he
 A step writes the new tokens' K/V into their slots, then each group gathers its sequences' blocks
 through their block tables and runs one ``scaled_dot_product_attention`` call (grouped-query
 attention handled by SDPA itself, no repeated K/V copies).
+
+With ``kv_cache_dtype="int8"`` the caches hold int8 codes and the op also receives their scales
+``[num_blocks, block_size, kv_heads]`` (engine/kv_cache.py): new K/V are quantized on write, and
+the gathered blocks are dequantized before SDPA. That is the simple, correct path, not a fast one:
+each layer materialises a float copy of every gathered K and V (4 bytes per element written,
+after 1 read), so it saves pool memory (more tokens fit) but not attention bandwidth, and it never
+reads a lone sequence's blocks as a view. A kernel that dequantizes in registers as it reads
+(kernels/triton/paged_decode.py, the fused C step) is where int8 KV can become speed.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from minserve.attention.metadata import AttentionMetadata
+from minserve.kernels.triton.reference import dequantize_kv_int8, write_kv_int8
 
 
 class TorchPagedAttention:
@@ -22,19 +31,29 @@ class TorchPagedAttention:
         self.scale = head_dim ** -0.5
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] -> attention output [T, H * D]."""
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> attention output [T, H * D]. ``k_scales``/``v_scales``:
+        given for an int8 cache (one float32 per slot and kv head), None for a float one."""
+        if k_scales is None:
+            k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        else:
+            write_kv_int8(k_cache, k_scales, meta.slot_mapping, k)
+            write_kv_int8(v_cache, v_scales, meta.slot_mapping, v)
+        caches = (k_cache, v_cache, k_scales, v_scales)
         if len(meta.groups) == 1:
-            return self._group(q, k_cache, v_cache, meta.groups[0])
-        return torch.cat([self._group(q[g.token_start:g.token_end], k_cache, v_cache, g)
-                          for g in meta.groups], dim=0)
+            return self._group(q, caches, meta.groups[0])
+        return torch.cat([self._group(q[g.token_start:g.token_end], caches, g) for g in meta.groups], dim=0)
 
-    def _group(self, q, k_cache, v_cache, g) -> torch.Tensor:
+    def _group(self, q, caches, g) -> torch.Tensor:
         n, ql = g.num_seqs, g.query_len
+        k_cache, v_cache, k_scales, v_scales = caches
         # [n, blocks, block_size, Hkv, D] -> [n, L, Hkv, D] -> [n, Hkv, L, D]
         keys, values = self._gather(k_cache, g), self._gather(v_cache, g)
+        if k_scales is not None:  # int8: codes x their per-(slot, head) scale, in the query's dtype
+            keys = dequantize_kv_int8(keys, self._gather(k_scales, g)).to(q.dtype)
+            values = dequantize_kv_int8(values, self._gather(v_scales, g)).to(q.dtype)
         queries = q.view(n, ql, self.num_heads, self.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask,
                                              is_causal=g.is_causal, scale=self.scale,
@@ -43,6 +62,7 @@ class TorchPagedAttention:
 
     @staticmethod
     def _gather(cache: torch.Tensor, g) -> torch.Tensor:
+        """A cache's blocks for the group as [n, Hkv, L, ...]: K/V [.., D] or scales (no last dim)."""
         if g.first_block is not None:
             # Consecutive blocks (common for a lone request in a fresh pool): a view, no copy.
             blocks = cache[g.first_block:g.first_block + g.kv_blocks.shape[1]].unsqueeze(0)

@@ -12,6 +12,15 @@ block table at those blocks instead of recomputing them. Reference counts let ma
 a block; at zero the block goes back to the free list but keeps its contents and key, so it can be
 revived until the space is needed. Blocks that hold nothing reusable are handed out first; cached
 ones are evicted least recently used first.
+
+What a layer's cache holds depends on ``kv_cache_dtype`` (vLLM's argument): ``"auto"`` stores K and V
+in the model dtype, a pair ``(k, v)`` of ``[num_blocks, block_size, kv_heads, head_dim]`` tensors;
+``"int8"`` stores them quantized on write, a 4-tuple ``(k_codes, v_codes, k_scales, v_scales)``:
+int8 codes of that shape and float32 scales ``[num_blocks, block_size, kv_heads]``, one per token
+slot and kv head, symmetric (``x = code * scale``, ``scale = max|x| / 127``; the layout and the
+quantizer live in kernels/triton/reference.py, shared with the Triton and C kernels). A per-token
+scale is set once when the token is written and never revisited. Blocks, tables, prefix caching
+and preemption do not care which: a block is a block.
 """
 
 from __future__ import annotations
@@ -24,11 +33,35 @@ from dataclasses import dataclass
 
 import torch
 
-from minserve.config import EngineConfig
+from minserve.config import KV_CACHE_DTYPES, EngineConfig
 from minserve.engine.memory import DeviceMemory, check_kv_blocks_fit, device_kv_budget_bytes
+from minserve.kernels.triton.reference import allocate_kv_int8
 from minserve.models.registry import ModelConfig
 
 log = logging.getLogger("minserve")
+
+
+# One layer's cache: (k, v), or with kv_cache_dtype="int8" (k_codes, v_codes, k_scales, v_scales).
+LayerKV = tuple[torch.Tensor, ...]
+
+# An int8 KV entry carries one float32 scale per (token slot, kv head) beside its head_dim codes.
+KV_SCALE_BYTES = 4
+
+
+def kv_cache_bytes_per_token(model: ModelConfig, kv_cache_dtype: str = "auto", dtype: str = "float32") -> int:
+    """Bytes one token occupies in the KV cache (K and V, every layer): the engine's planner
+    (:func:`plan_kv_cache`) and the serving-budget planner (minserve/plan) both size blocks with it.
+
+    * ``"auto"`` (the model ``dtype``): 2 x layers x kv_heads x head_dim x bytes per element;
+    * ``"int8"``: 2 x layers x kv_heads x (head_dim x 1 + 4): the codes and one float32 scale per
+      head. Against fp32 that is 4 x head_dim / (head_dim + 4) times the tokens in the same memory:
+      "4x, less the scales", 3.76x at head_dim 64, 3.2x at head_dim 16.
+    """
+    if kv_cache_dtype == "auto":
+        return model.kv_bytes_per_token(getattr(torch, dtype).itemsize)
+    if kv_cache_dtype == "int8":
+        return 2 * model.num_layers * model.num_kv_heads * (model.head_dim + KV_SCALE_BYTES)
+    raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
 
 
 @dataclass
@@ -36,6 +69,7 @@ class KVCacheSpec:
     num_blocks: int
     block_size: int
     bytes_per_token: int
+    kv_cache_dtype: str = "auto"  # what allocate_kv_tensors lays out (see the module docstring)
 
     @property
     def max_tokens(self) -> int:
@@ -65,9 +99,10 @@ def kv_budget_bytes(cfg: EngineConfig, memory: DeviceMemory | None = None) -> in
 
 def plan_kv_cache(model: ModelConfig, cfg: EngineConfig, memory: DeviceMemory | None = None) -> KVCacheSpec:
     """Decide the number of blocks from ``num_kv_blocks`` or a byte budget (``kv_budget_bytes``).
-    Whole blocks only: ``budget // (bytes_per_token * block_size)``; minserve.plan uses the same.
+    Whole blocks only: ``budget // (bytes_per_token * block_size)``, with ``bytes_per_token`` from
+    :func:`kv_cache_bytes_per_token`; minserve.plan uses the same.
     ``memory``: the engine's device measurement on CUDA (None on CPU)."""
-    per_token = model.kv_bytes_per_token(torch.empty((), dtype=cfg.torch_dtype).element_size())
+    per_token = kv_cache_bytes_per_token(model, cfg.kv_cache_dtype, cfg.dtype)
     if memory is not None:
         log.info("device memory: %.2f GiB free at start of %.2f GiB; weights %.2f GiB, engine %.2f GiB in all, "
                  "largest step (%d tokens) peaks %.2f GiB above the weights; %.2f GiB free now",
@@ -83,19 +118,30 @@ def plan_kv_cache(model: ModelConfig, cfg: EngineConfig, memory: DeviceMemory | 
     if blocks < 1:
         raise ValueError(f"the KV cache budget holds no block of {cfg.block_size} tokens "
                          f"({per_token} bytes per token); raise kv_cache_memory or num_kv_blocks")
-    spec = KVCacheSpec(blocks, cfg.block_size, per_token)
-    log.info("KV cache: %d bytes per token (2 x %d layers x %d kv heads x %d head dim x %d bytes), "
-             "%d blocks of %d tokens = %d tokens, %.1f MiB", per_token, model.num_layers,
-             model.num_kv_heads, model.head_dim, per_token // (2 * model.num_layers * model.num_kv_heads
-                                                              * model.head_dim), blocks, cfg.block_size,
-             spec.max_tokens, spec.total_bytes / 2**20)
+    spec = KVCacheSpec(blocks, cfg.block_size, per_token, cfg.kv_cache_dtype)
+    entry = (f"{model.head_dim} x {getattr(torch, cfg.dtype).itemsize} bytes" if cfg.kv_cache_dtype == "auto"
+             else f"{model.head_dim} int8 codes + a {KV_SCALE_BYTES}-byte scale")
+    log.info("KV cache (kv_cache_dtype=%s): %d bytes per token (2 x %d layers x %d kv heads x (%s)), "
+             "%d blocks of %d tokens = %d tokens, %.1f MiB", cfg.kv_cache_dtype, per_token, model.num_layers,
+             model.num_kv_heads, entry, blocks, cfg.block_size, spec.max_tokens, spec.total_bytes / 2**20)
     return spec
 
 
+def allocate_layer_kv(model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: str | torch.device, kv_cache_dtype: str = "auto") -> LayerKV:
+    """One layer's cache, zeroed: ``(k, v)`` in ``dtype``, or the int8 4-tuple (module docstring)."""
+    if kv_cache_dtype == "int8":
+        (k, k_scales), (v, v_scales) = (allocate_kv_int8(num_blocks, block_size, model.num_kv_heads,
+                                                         model.head_dim, device) for _ in range(2))
+        return k, v, k_scales, v_scales
+    shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
 def allocate_kv_tensors(model: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype,
-                        device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (spec.num_blocks, spec.block_size, model.num_kv_heads, model.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                        device: str) -> list[LayerKV]:
+    """Every layer's cache for ``spec`` (``dtype``: the model's, used when kv_cache_dtype is auto)."""
+    return [allocate_layer_kv(model, spec.num_blocks, spec.block_size, dtype, device, spec.kv_cache_dtype)
             for _ in range(model.num_layers)]
 
 
@@ -108,7 +154,8 @@ def block_hash(parent: bytes, extra: bytes, tokens: list[int]) -> bytes:
 
 
 def extra_keys_digest(model_fingerprint: str, cache_salt: str | None) -> bytes:
-    """Requests share blocks only with the same model (weights, dtype, quantization) and salt."""
+    """Requests share blocks only with the same model (weights, dtype, quantization, KV cache dtype)
+    and salt."""
     return hashlib.sha256(f"{model_fingerprint}\0{cache_salt or ''}".encode()).digest()
 
 

@@ -29,6 +29,7 @@ from minserve.metrics import EngineMetrics, requests_frame, steps_frame
 from minserve.models.loader import LoadedModel, load_model
 from minserve.outputs import RequestOutput
 from minserve.sampling_params import SamplingParams
+from minserve.spec import make_speculation
 
 log = logging.getLogger("minserve")
 
@@ -50,12 +51,17 @@ class LLMEngine:
         self.kv_spec = plan_kv_cache(loaded.config, config, self.runner.device_memory)
         self.max_model_len = self._resolve_max_model_len(model_max)
         self.runner.allocate_kv(self.kv_spec, self.max_model_len)
-        self.model_fingerprint = model_fingerprint(loaded, config.dtype)
+        # The weight format is part of the key: int4 blocks must never be served to an fp32 engine.
+        quant = config.quant_scheme.label() if config.quant_scheme is not None else "none"
+        self.model_fingerprint = model_fingerprint(loaded, config.dtype, quant, kv_cache_dtype=config.kv_cache_dtype)
         self.kv = KVCacheManager(self.kv_spec, config.enable_prefix_caching, self.model_fingerprint)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         # Speculative decoding plugs in here: an object with ``propose(request) -> list[int]``,
         # asked before each step for the next tokens of every decoding request (minserve/spec/).
-        self.proposer = None
+        self.proposer, self.spec_control = make_speculation(config.speculative_config)
+        if config.speculative_config is not None:
+            # KV slots for the next step's proposals are reserved with each step's own.
+            self.scheduler.num_lookahead_tokens = config.speculative_config.num_speculative_tokens
         self.last_step_failures: dict[str, str] = {}
         self.start_s = time.perf_counter()
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len,
@@ -72,8 +78,9 @@ class LLMEngine:
         self.metrics = EngineMetrics(config.model, enabled=not config.disable_log_stats,
                                      max_model_len=self.max_model_len)
         self.load_time_s = time.perf_counter() - t0
-        log.info("engine ready in %.1f s: %s, max_model_len %d", self.load_time_s, config.model,
-                 self.max_model_len)
+        w = self.runner.weight_footprint()
+        log.info("engine ready in %.1f s: %s (%s, %.1f MiB of weights resident), max_model_len %d",
+                 self.load_time_s, config.model, quant, w.resident_bytes / 2**20, self.max_model_len)
 
     @classmethod
     def from_engine_args(cls, model: str, **engine_args) -> "LLMEngine":
@@ -190,14 +197,20 @@ class LLMEngine:
         stats = self._record_step(t0, sched, self.scheduler.num_preemptions - preempted_before,
                                   update.num_accepted_spec_tokens)
         self.metrics.record_step(stats, [(r, n) for r, n in update.appended if r.error is None], finished)
+        if self.spec_control is not None:
+            self.spec_control.record(stats, len(sched.scheduled))
+        if update.verified and self.metrics.enabled:
+            self.metrics.spec.record(update.verified)
         return outputs
 
     def _propose(self) -> None:
         """Ask the proposer (speculative decoding) for the next tokens of decoding requests; the
-        scheduler cuts them to what the step can hold (Scheduler._proposals)."""
-        for req in self.scheduler.running:
-            if req.num_tokens - req.num_computed_tokens == 1:
-                req.spec_token_ids = list(self.proposer.propose(req))
+        scheduler cuts them to what the step can hold (Scheduler._proposals). The adaptive rule
+        (spec/adaptive.py) may skip a step's proposals where they have not been paying."""
+        decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+        propose = self.spec_control is None or self.spec_control.should_propose(len(self.scheduler.running))
+        for req in decoding:
+            req.spec_token_ids = list(self.proposer.propose(req)) if propose else []
 
     def _execute(self, sched) -> ModelRunnerOutput:
         """Run the step. If it raises, find out whose fault it is: rerun each request alone
@@ -255,6 +268,8 @@ class LLMEngine:
 
     def _retire(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish(req, status)
+        if hasattr(self.proposer, "forget"):
+            self.proposer.forget(req.request_id)
         self.requests.pop(req.request_id, None)
         if self._records.maxlen:
             self._records.append(RequestRecord.of(req))
@@ -301,10 +316,13 @@ class LLMEngine:
         return self.metrics.snapshot()
 
 
-def model_fingerprint(loaded: LoadedModel, dtype: str, quantization: str = "none") -> str:
+def model_fingerprint(loaded: LoadedModel, dtype: str, quantization: str = "none",
+                      kv_cache_dtype: str = "auto") -> str:
     """What makes cached K/V reusable: the model's config, its weight files (names and sizes), the
-    dtype and the quantization. Part of every prefix-cache key, so blocks computed by one model
+    dtype, the quantization and the KV cache dtype (int8 blocks hold codes and scales, not the
+    values an fp cache holds). Part of every prefix-cache key, so blocks computed by one model
     can never be served to another."""
     files = sorted((f.name, f.stat().st_size) for f in loaded.path.glob("*.safetensors"))
-    text = json.dumps([loaded.hf_config, files, dtype, quantization], sort_keys=True, default=str)
+    text = json.dumps([loaded.hf_config, files, dtype, quantization, kv_cache_dtype], sort_keys=True,
+                      default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

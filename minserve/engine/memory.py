@@ -3,8 +3,9 @@ has run once, as vLLM does.
 
 The order matters. Sized from the free memory *before* the weights move to the GPU, the pool would
 count the weights as free; sized without running a step, it would leave no room for the step's
-activations (hidden states, the MLP's intermediate, attention's gathered K/V, the logits and the
-sampler's sort), and the first full step would run out of memory. So the engine (1) notes the
+activations (hidden states, the MLP's intermediate, attention's gathered K/V and, with
+kv_cache_dtype="int8", their dequantized copies, the logits and the sampler's sort), and the first
+full step would run out of memory. So the engine (1) notes the
 device's memory at start, (2) places the weights, (3) runs a profiling forward pass of
 ``max_num_batched_tokens`` tokens and records the allocator's peak, and only then (4) sizes the pool
 with :func:`device_kv_budget_bytes`, a pure function of those numbers, and allocates it.

@@ -28,7 +28,7 @@ import torch
 from minserve.attention import AttentionBackend, StepSequences, TorchAttentionBackend
 from minserve.attention.fused_cpu import FusedCpuBackend
 from minserve.config import EngineConfig
-from minserve.engine.kv_cache import KVCacheManager, KVCacheSpec, allocate_kv_tensors
+from minserve.engine.kv_cache import KVCacheManager, KVCacheSpec, LayerKV, allocate_kv_tensors, allocate_layer_kv
 from minserve.engine.memory import DeviceMemory, DeviceMemoryReader, measure_device_memory, snapshot
 from minserve.engine.sampler import Sampler, SamplingBatch
 from minserve.engine.step_io import SampledToken, SchedulerOutput
@@ -38,6 +38,9 @@ from minserve.kernels.decode import FusedDecoder, unsupported_reason
 from minserve.models.layers import RotaryEmbedding
 from minserve.models.llama import LlamaForCausalLM
 from minserve.models.loader import LoadedModel
+from minserve.plan.budget import kv_budget_within
+from minserve.quant.schemes import apply_quantization
+from minserve.quant.sizes import WeightFootprint, model_footprint
 from minserve.sampling_params import SamplingParams
 from minserve.spec.verify import accept_one_hot
 
@@ -64,8 +67,13 @@ class ModelRunner:
         self.config = config
         start = snapshot(reader) if reader is not None else None  # before any weight is placed
         self.model = LlamaForCausalLM(loaded.config, loaded.weights, max_positions)
+        # Quantize before anything binds the weights (the fused decoder holds raw pointers) and
+        # before .to(dtype): codes come from the checkpoint's own values, not a bf16 rounding.
+        dense = _quantize(self.model, config, loaded.tokenizer)
         self.model.to(device=self.device, dtype=config.torch_dtype)
         self.model.rotary.build_tables(self.device)  # fp32 tables whatever the model dtype
+        _log_weights(self.weight_footprint(), dense, config)
+        _resolve_memory_budget(config, self.weight_footprint())
         # The backend the PyTorch model attends through (torch here; Triton on CUDA later, via
         # model.use_attention), and the list of step backends by preference (allocate_kv).
         self.layer_backend = TorchAttentionBackend(config.block_size, self.device)
@@ -74,7 +82,7 @@ class ModelRunner:
         # Profiling hook (CUDA): the weights are placed; run the largest step once and measure.
         self.device_memory: DeviceMemory | None = (
             measure_device_memory(reader, start, self._profile_largest_step) if reader is not None else None)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # allocate_kv()
+        self.kv_caches: list[LayerKV] = []  # allocate_kv(): (k, v) per layer, int8: + their scales
         self.block_size = config.block_size
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
@@ -107,13 +115,13 @@ class ModelRunner:
         ``max_num_batched_tokens`` spread over ``max_num_seqs`` fresh sequences (the widest batch:
         most logits rows, the sampler's largest sort), then the same tokens as few sequences as
         positions allow (the largest attention). K/V go to a scratch cache of one sequence's
-        blocks that every layer shares (what is written there is never read back)."""
+        blocks that every layer shares (what is written there is never read back), in the engine's
+        kv_cache_dtype: an int8 cache's dequantized copies are part of the peak."""
         cfg, mc = self.config, self.model.config
         total, bs = cfg.max_num_batched_tokens, cfg.block_size
         longest = self.model.rotary.cos.shape[0]  # no sequence is longer than the position tables
         blocks = -(-min(total, longest) // bs)
-        scratch = tuple(torch.zeros((blocks, bs, mc.num_kv_heads, mc.head_dim), dtype=cfg.torch_dtype,
-                                    device=self.device) for _ in range(2))
+        scratch = allocate_layer_kv(mc, blocks, bs, cfg.torch_dtype, self.device, cfg.kv_cache_dtype)
         sampler = Sampler(torch.Generator(device=self.device).manual_seed(0))  # not the engine's stream
         params = SamplingParams(temperature=1.0, top_p=0.99, max_tokens=1)
         fewest = -(-total // longest)
@@ -209,7 +217,43 @@ class ModelRunner:
                 req.prompt_logprobs += _target_logprobs(logits, targets[a:b], req.params.prompt_logprobs)
 
     def weight_bytes(self) -> int:
+        """Weight bytes one forward pass streams (every linear layer as stored, the norms): the
+        roofline's numerator. What the weights occupy is :meth:`weight_footprint`'s resident_bytes."""
         return self.model.weight_bytes()
+
+    def weight_footprint(self) -> WeightFootprint:
+        """Resident and streamed weight bytes, per format (minserve/quant/sizes.py)."""
+        return model_footprint(self.model)
+
+
+def _quantize(model: LlamaForCausalLM, config: EngineConfig, tokenizer) -> WeightFootprint:
+    """Apply ``config.quantization`` (nothing when None); returns the dense model's footprint."""
+    dense = model_footprint(model)
+    if config.quant_scheme is not None:
+        apply_quantization(model, config.quant_scheme, tokenizer)
+    return dense
+
+
+def _log_weights(now: WeightFootprint, dense: WeightFootprint, config: EngineConfig) -> None:
+    # e.g. "weights: int4 g32 lm_head=quantize, 101.3 MiB streamed per token, 209.3 MiB resident
+    # (checkpoint: 513.3 MiB streamed) [int4 g32 101.2 MiB]"
+    scheme = config.quant_scheme
+    log.info("weights: %s, %.1f MiB streamed per token, %.1f MiB resident (checkpoint: %.1f MiB streamed) [%s]",
+             scheme.label() if scheme is not None else f"dense {config.dtype}", now.streamed_bytes / 2**20,
+             now.resident_bytes / 2**20, dense.streamed_bytes / 2**20,
+             " + ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in now.by_format.items()))
+
+
+def _resolve_memory_budget(config: EngineConfig, weights: WeightFootprint) -> None:
+    """``memory_budget`` -> ``kv_cache_memory`` = budget - resident weight bytes (the planner's
+    formula: minserve.plan.budget.kv_budget_within), before the engine plans its KV pool."""
+    if config.memory_budget_bytes is None:
+        return
+    kv = kv_budget_within(config.memory_budget_bytes, weights.resident_bytes, config.quant_scheme.label()
+                          if config.quant_scheme is not None else f"dense {config.dtype}")
+    config.kv_cache_memory = config.kv_cache_memory_bytes = kv
+    log.info("memory_budget %.1f MiB - weights %.1f MiB resident = KV cache %.1f MiB",
+             config.memory_budget_bytes / 2**20, weights.resident_bytes / 2**20, kv / 2**20)
 
 
 def _prompt_logprob_spans(sched: SchedulerOutput) -> list[tuple]:
@@ -260,12 +304,15 @@ def _fused_decoder(model, kv_caches, config: EngineConfig) -> FusedDecoder | Non
             return fused
         except KernelUnavailable as e:
             reason, broken = str(e), True
+    # Name the KV dtype when it is not the model's: the kernel may refuse the cache, not the model.
+    kv = f" with kv_cache_dtype={config.kv_cache_dtype!r}" if config.kv_cache_dtype != "auto" else ""
     if config.fused_decode:
-        raise ValueError(f"fused_decode=True but the fused decode kernel is unavailable: {reason}")
+        raise ValueError(f"fused_decode=True but the fused decode kernel is unavailable{kv}: {reason}; "
+                         "leave fused_decode unset (or False) to decode in PyTorch")
     # A model the kernel does not cover (CUDA, half precision) is expected; a CPU float32 model
     # without it decodes ~1.5x slower, which a user should hear about.
     (log.warning if broken else log.info)("decode steps run in PyTorch (fused decode kernel "
-                                          "unavailable: %s)", reason)
+                                          "unavailable%s: %s)", kv, reason)
     return None
 
 

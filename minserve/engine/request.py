@@ -108,6 +108,8 @@ class Request(_Finishable):
     # ``prefill_end`` is prefill work (a prompt, or a recompute after preemption), above it decode.
     spec_token_ids: list[int] = field(default_factory=list)
     prefill_end: int = 0
+    num_spec_proposed: int = 0            # proposals verified for it, and how many were accepted
+    num_spec_accepted: int = 0
     timeline: RequestTimeline = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -158,6 +160,8 @@ class RequestRecord(_Finishable):
     num_preemptions: int
     error: str | None
     timeline: RequestTimeline
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
 
     @classmethod
     def of(cls, req: Request) -> "RequestRecord":
@@ -165,4 +169,5 @@ class RequestRecord(_Finishable):
         times = RequestTimeline(tl.arrival_s, tl.scheduled_s, tl.preempted_s, array("d", tl.token_s),
                                 tl.finished_s)
         return cls(req.request_id, req.status, req.num_prompt_tokens, req.num_output_tokens,
-                   req.num_cached_tokens, req.num_preemptions, req.error, times)
+                   req.num_cached_tokens, req.num_preemptions, req.error, times,
+                   req.num_spec_proposed, req.num_spec_accepted)

@@ -308,6 +308,9 @@ class Scheduler:
             rejected = len(s.spec_token_ids) + 1 - len(tokens)
             update.num_accepted_spec_tokens += len(tokens) - 1
             update.num_rejected_spec_tokens += rejected
+            update.verified.append((len(s.spec_token_ids), len(tokens) - 1))
+            req.num_spec_proposed += len(s.spec_token_ids)
+            req.num_spec_accepted += len(tokens) - 1
             self.rollback(req, rejected)
         req.spec_token_ids = []
         status = None

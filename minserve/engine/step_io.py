@@ -96,3 +96,4 @@ class StepUpdate:
     failed: list[tuple[Request, str]] = field(default_factory=list)       # (request, why)
     num_accepted_spec_tokens: int = 0
     num_rejected_spec_tokens: int = 0
+    verified: list[tuple[int, int]] = field(default_factory=list)  # (proposals, accepted) per request

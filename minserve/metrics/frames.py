@@ -26,7 +26,7 @@ NAN = math.nan
 
 REQUEST_COLUMNS = [
     "request_id", "status", "finish_reason", "prompt_tokens", "output_tokens", "cached_tokens",
-    "num_preemptions", "arrival_s", "first_scheduled_s", "first_token_s", "finished_s",
+    "num_preemptions", "spec_proposed", "spec_accepted", "acceptance_rate", "arrival_s", "first_scheduled_s", "first_token_s", "finished_s",
     "queue_s", "ttft_s", "prefill_s", "decode_s", "e2e_s", "tpot_s", "itl_mean_s", "itl_max_s",
     "token_times_s",
 ]
@@ -51,7 +51,8 @@ def requests_frame(requests: Iterable[Request | RequestRecord], t0_s: float) -> 
       request_id; status (``waiting``, ``running``, ``preempted``, ``stop``, ``length``, ``abort``,
       ``error``); finish_reason (the final status, None while unfinished);
       prompt_tokens, output_tokens; cached_tokens (prompt tokens served from the prefix cache);
-      num_preemptions;
+      num_preemptions; spec_proposed, spec_accepted (speculative decoding: proposals verified for
+      it and accepted), acceptance_rate = accepted / proposed (NaN without proposals);
       arrival_s, first_scheduled_s, first_token_s, finished_s (events, since t0_s);
       queue_s = first scheduled - arrival; ttft_s = first token - arrival;
       prefill_s = first token - first scheduled; decode_s = last token - first token;
@@ -82,6 +83,10 @@ def requests_frame(requests: Iterable[Request | RequestRecord], t0_s: float) -> 
             "output_tokens": req.num_output_tokens,
             "cached_tokens": req.num_cached_tokens,
             "num_preemptions": req.num_preemptions,
+            "spec_proposed": req.num_spec_proposed,
+            "spec_accepted": req.num_spec_accepted,
+            "acceptance_rate": (req.num_spec_accepted / req.num_spec_proposed
+                                if req.num_spec_proposed else NAN),
             "arrival_s": tl.arrival_s - t0_s,
             "first_scheduled_s": _rel(tl.first_scheduled_s, t0_s),
             "first_token_s": _rel(tl.first_token_s, t0_s),

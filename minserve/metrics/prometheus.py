@@ -39,6 +39,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from minserve.metrics.latency import step_itl_s, timeline_latencies, ttft_s
+from minserve.metrics.spec import SpecDecodeMetrics
 
 # vLLM's boundaries (vllm/v1/metrics/loggers.py). TTFT spans 1 ms .. 43 min; per-token latencies
 # 10 ms .. 80 s (a CPU decode step is ~10-200 ms, so they land in the middle); request-level
@@ -103,6 +104,7 @@ class EngineMetrics:
         self._pc_hits = counter("vllm:prefix_cache_hits",
                                 "Prefix cache hits, in terms of number of cached tokens.")
         self._preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.spec = SpecDecodeMetrics(reg, model_name)
         self._prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self._generation_tokens = counter("vllm:generation_tokens",
                                           "Number of generation tokens processed.")

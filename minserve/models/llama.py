@@ -44,7 +44,8 @@ class LlamaAttention(nn.Module):
         qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        return self.o_proj.forward(self.attn(q, k, v, kv_cache[0], kv_cache[1], meta))
+        # An int8 KV cache is (k, v, k_scales, v_scales) (engine/kv_cache.py): the scales follow.
+        return self.o_proj.forward(self.attn(q, k, v, kv_cache[0], kv_cache[1], meta, *kv_cache[2:]))
 
 
 class LlamaMLP(nn.Module):

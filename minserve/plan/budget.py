@@ -4,11 +4,20 @@ Formulas (P = parameters, W = weight bytes streamed per forward pass, bw = memor
 C = matmul rate; every time is max(bytes / bw, FLOPs / C), a lower bound that real kernels
 approach but do not reach):
 
-- weights, per matrix of out x in: fp32 4 bytes, bf16/fp16 2 bytes per parameter; int8
-  1 byte + one scale per output row (per-channel); int4 half a byte + a scale and a zero point per
-  group of ``group_size`` inputs. Scales, zeros, norms, biases, the embedding and the LM head stay
-  in the activation ``dtype`` (weight-only quantization of the transformer blocks, as GPTQ/AWQ ship).
-- KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element.
+- weights, per matrix of out x in, exactly as minserve stores them (``minserve.quant.sizes.
+  linear_bytes``, the function the engine's layers agree with): fp32 4 bytes, bf16/fp16 2 bytes per
+  parameter; int8 1 byte + a float32 scale per output row; int4 half a byte + a float32 scale and
+  min per group of ``group_size`` inputs (a layer the size does not divide takes the largest allowed
+  size that does, as the engine's ``quantization_config={"fallback": True}``; without it the engine
+  refuses). Norms, biases and the embedding stay in the activation ``dtype``. The LM head follows
+  the engine's policy (``minserve.quant.DEFAULT_LM_HEAD``: int8 for both int8 and int4); a quantized
+  head tied to the embedding is untied, so the dense table stays resident but is not streamed.
+- memory budget: KV budget = budget - resident weight bytes (``kv_budget_within``, which the
+  engine's ``memory_budget`` argument uses too).
+- KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element; with
+  ``kv_cache_dtype="int8"``, 2 x layers x kv_heads x (head_dim x 1 + 4): int8 codes and a float32
+  scale per token and head. One function computes both, for the engine and the planner:
+  ``minserve.engine.kv_cache.kv_cache_bytes_per_token``.
 - KV blocks = KV budget // (KV bytes per token x block_size); a sequence of L tokens holds
   ceil(L / block_size) blocks, exactly as minserve's engine allocates (engine/kv_cache.py).
 - decode step at batch B, every sequence at L tokens: bytes = W + B x L x KV bytes per token
@@ -25,10 +34,11 @@ fixed cost of launching kernels and running Python per step, which dominates tin
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from minserve.models.registry import ModelConfig
+from minserve.quant.schemes import DEFAULT_LM_HEAD, LM_HEAD_CHOICES
+from minserve.quant.sizes import INT4_DEFAULT_GROUP_SIZE, linear_bytes, resolve_group_size
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4")
 _PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -59,28 +69,29 @@ def block_matrices(cfg: ModelConfig) -> list[tuple[int, int]]:
     return [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)] * cfg.num_layers
 
 
-def _quantized_bytes(out: int, inp: int, precision: str, act_bytes: int, group_size: int) -> tuple[int, int]:
-    """(weight bytes, scale/zero bytes) of one out x in matrix."""
-    n = out * inp
-    if precision == "int8":
-        return n, out * act_bytes                                  # one scale per output row
-    if precision == "int4":
-        groups = out * math.ceil(inp / group_size)
-        return math.ceil(n / 2), groups * 2 * act_bytes            # scale + zero per group
-    return n * act_bytes, 0
+def _matrix_bytes(out: int, inp: int, precision: str, act_bytes: int, group_size: int,
+                  fallback: bool) -> tuple[int, int]:
+    """(weight bytes, scale/min bytes) of one out x in matrix, as the engine stores it."""
+    if precision not in ("int8", "int4"):
+        return linear_bytes(out, inp, "dense", dtype_bytes=act_bytes)
+    g = resolve_group_size(group_size, inp, fallback, f"a [{out} x {inp}] matrix", "group_size") \
+        if precision == "int4" else None
+    return linear_bytes(out, inp, precision, g, act_bytes)
 
 
 @dataclass
 class WeightBytes:
-    block_weights: int   # the quantizable matmuls of the transformer blocks
-    scales: int          # their scales and zero points
-    other: int           # norms, biases and the LM head, in the activation dtype
-    embedding: int       # the input embedding table (0 when tied to the LM head: shared storage)
+    block_weights: int   # the matmuls of the transformer blocks (codes, or dense matrices)
+    scales: int          # scales and mins of every quantized matmul (the LM head's included)
+    other: int           # norms and biases, in the activation dtype
+    embedding: int       # the input table when it is its own tensor (untied, or tied to a head
+                         # that was quantized); 0 when the LM head *is* the table
+    lm_head: int = 0     # the LM head's codes or dense matrix, read whole every step
 
     @property
     def per_step(self) -> int:
         """Streamed per forward pass: all but the embedding, of which only a few rows are read."""
-        return self.block_weights + self.scales + self.other
+        return self.block_weights + self.lm_head + self.scales + self.other
 
     @property
     def resident(self) -> int:
@@ -88,20 +99,42 @@ class WeightBytes:
 
 
 def weight_bytes(cfg: ModelConfig, precision: str = "fp32", dtype: str | None = None,
-                 group_size: int = 128) -> WeightBytes:
-    """Bytes of the model's weights at ``precision`` (see the module docstring for the layout)."""
+                 group_size: int = INT4_DEFAULT_GROUP_SIZE, lm_head: str | None = None,
+                 fallback: bool = True) -> WeightBytes:
+    """Bytes of the model's weights at ``precision`` (see the module docstring for the layout).
+    ``lm_head``: "quantize", "keep" or (int4) "int8", as the engine's quantization_config takes it
+    (None: the engine's default for the precision, ``minserve.quant.DEFAULT_LM_HEAD``)."""
     precision, dtype = normalize_precision(precision, dtype)
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size!r}")
+    quantized = precision in ("int8", "int4")
+    lm_head = lm_head or (DEFAULT_LM_HEAD[precision] if quantized else "keep")
+    allowed = LM_HEAD_CHOICES[precision] if quantized else ("keep",)
+    if lm_head not in allowed:
+        raise ValueError(f"lm_head must be one of {', '.join(allowed)} for precision {precision}, got {lm_head!r}")
     act = DTYPE_BYTES[dtype]
     w = s = 0
     for out, inp in block_matrices(cfg):
-        wb, sb = _quantized_bytes(out, inp, precision, act, group_size)
+        wb, sb = _matrix_bytes(out, inp, precision, act, group_size, fallback)
         w, s = w + wb, s + sb
     h, table = cfg.hidden_size, cfg.vocab_size * cfg.hidden_size
+    head_precision = {"quantize": precision, "int8": "int8", "keep": "fp32"}[lm_head]
+    head, head_scales = _matrix_bytes(cfg.vocab_size, h, head_precision, act, group_size, fallback)
     norms = (2 * cfg.num_layers + 1) * h
-    other = (_bias_params(cfg) + norms + table) * act  # table: the LM head, read every step
-    return WeightBytes(w, s, other, 0 if cfg.tie_word_embeddings else table * act)
+    separate_table = not cfg.tie_word_embeddings or head_precision != "fp32"
+    return WeightBytes(w, s + head_scales, (_bias_params(cfg) + norms) * act,
+                       table * act if separate_table else 0, head)
+
+
+def kv_budget_within(memory_budget_bytes: int, resident_weight_bytes: int, weights: str = "the weights") -> int:
+    """KV bytes a memory budget leaves beside the resident weights (the engine's ``memory_budget``
+    and the planner both use this); ValueError naming ``memory_budget`` when nothing is left."""
+    kv = memory_budget_bytes - resident_weight_bytes
+    if kv <= 0:
+        raise ValueError(f"memory_budget={memory_budget_bytes} bytes ({memory_budget_bytes / 2**20:.1f} MiB) does "
+                         f"not hold {weights} ({resident_weight_bytes / 2**20:.1f} MiB resident), let alone a KV "
+                         "cache; raise memory_budget or choose a smaller quantization")
+    return kv
 
 
 def _bias_params(cfg: ModelConfig) -> int:

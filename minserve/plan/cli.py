@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from minserve.config import KV_CACHE_DTYPES
 from minserve.plan.budget import GROUP_SIZES, PRECISIONS
 
 
@@ -23,10 +24,16 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--context-len", type=int, help="tokens per sequence (default: min(4096, the model's))")
     ap.add_argument("--precision", default="fp32", help=f"weights: {', '.join(PRECISIONS)} (default fp32)")
     ap.add_argument("--dtype", help="activation dtype for int8/int4 (default bfloat16)")
-    ap.add_argument("--group-size", type=int, default=128, help=f"int4 group size: {GROUP_SIZES}")
+    ap.add_argument("--group-size", type=int, default=32, help=f"int4 group size: {GROUP_SIZES} (default 32, "
+                    "the engine's)")
+    ap.add_argument("--lm-head", choices=("quantize", "int8", "keep"), default=None,
+                    help="int8/int4: the LM head in the format, in int8 (int4 only) or dense "
+                         "(default: the engine's: int8)")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (engine default 16)")
     ap.add_argument("--memory", help="memory for weights + KV, e.g. 80GiB (default: the hardware's)")
     ap.add_argument("--kv-cache-memory", help="fix the KV budget instead, e.g. 2GiB (as the engine flag)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="KV cache storage, as the engine flag: auto (the activation dtype) or int8")
     ap.add_argument("--remeasure", action="store_true", help="probe 'this' machine again")
     return ap
 
@@ -54,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.remeasure and "this" in names:
             get_hardware("this", remeasure=True)
         plans = [plan(a.model, hardware=n, memory_budget=a.memory, context_len=a.context_len,
-                      precision=a.precision, dtype=a.dtype, group_size=a.group_size,
-                      block_size=a.block_size, kv_cache_memory=a.kv_cache_memory) for n in names]
+                      precision=a.precision, dtype=a.dtype, group_size=a.group_size, lm_head=a.lm_head,
+                      block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
+                      kv_cache_dtype=a.kv_cache_dtype) for n in names]
     except ValueError as e:
         print(f"minserve plan: {e}", file=sys.stderr)
         return 2

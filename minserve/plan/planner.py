@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minserve.config import parse_bytes
+from minserve.engine.kv_cache import kv_cache_bytes_per_token
 from minserve.models.registry import ModelConfig
 from minserve.plan import budget
 from minserve.plan.hardware import Hardware, get_hardware
@@ -46,6 +47,8 @@ class Plan:
     decode_step_s_full: float | None  # max_num_seqs sequences at context_len
     decode_bound_full: str | None
     notes: list[str] = field(default_factory=list)
+    kv_cache_dtype: str = "auto"  # the engine argument: "auto" (KV in dtype) or "int8"
+    lm_head: str = "keep"         # int8/int4: the LM head's format ("quantize", "int8", "keep")
 
     @property
     def kv_tokens(self) -> int:
@@ -68,11 +71,16 @@ class Plan:
             ("model", f"{self.model} ({self.params / 1e6:,.1f} M params)", ""),
             ("hardware", self.hardware, f"{self.bandwidth_bytes_per_s / 1e9:,.1f} GB/s, "
                                         f"{self.flops_per_s / 1e12:,.2f} TFLOP/s ({self.dtype})"),
-            ("precision", self.precision + (f", group {self.group_size}" if self.precision == "int4" else ""),
-             f"activations and KV in {self.dtype}"),
-            ("weights", f"{self.weight_bytes / mb:,.1f} MiB", f"{self.scale_bytes / mb:,.2f} MiB of it scales/zeros"),
+            ("precision", self.precision + (f", group {self.group_size}" if self.precision == "int4" else "")
+             + (f", LM head {_HEAD_NAMES.get(self.lm_head, self.precision)}" if self.precision in ("int8", "int4")
+                else ""),
+             f"activations in {self.dtype}, KV in "
+             f"{self.dtype if self.kv_cache_dtype == 'auto' else self.kv_cache_dtype}"),
+            ("weights", f"{self.weight_bytes / mb:,.1f} MiB", f"{self.scale_bytes / mb:,.2f} MiB of it scales/mins"),
             ("weights read per step", f"{self.weight_bytes_per_step / mb:,.1f} MiB", "all but the embedding table"),
-            ("KV per token", f"{self.kv_bytes_per_token:,} B", "2 x layers x kv_heads x head_dim x bytes"),
+            ("KV per token", f"{self.kv_bytes_per_token:,} B",
+             "2 x layers x kv_heads x head_dim x bytes" if self.kv_cache_dtype == "auto" else
+             "2 x layers x kv_heads x (head_dim x 1 + a 4-byte scale)"),
             ("memory budget", f"{self.memory_budget_bytes / g:,.2f} GiB", ""),
             ("KV budget", f"{self.kv_budget_bytes / g:,.2f} GiB", "budget - weights, or kv_cache_memory"),
             ("KV blocks", f"{self.num_kv_blocks:,} x {self.block_size} tokens",
@@ -93,6 +101,9 @@ class Plan:
         """The table as a pandas DataFrame (one row per quantity), for notebooks."""
         import pandas as pd
         return pd.DataFrame(self.rows(), columns=["quantity", "value", "how"]).set_index("quantity")
+
+
+_HEAD_NAMES = {"int8": "int8", "keep": "dense"}  # "quantize": the precision itself
 
 
 def _time(s: float) -> str:
@@ -123,16 +134,24 @@ def _check_int(name: str, value, lo: int, hi: int) -> None:
 
 def plan(model: str | Path | ModelConfig = "smollm2-135m", hardware: str | Hardware = "this",
          memory_budget: int | str | None = None, context_len: int | None = None, precision: str = "fp32",
-         dtype: str | None = None, group_size: int = 128, block_size: int = 16,
-         kv_cache_memory: int | str | None = None) -> Plan:
+         dtype: str | None = None, group_size: int = budget.INT4_DEFAULT_GROUP_SIZE, block_size: int = 16,
+         kv_cache_memory: int | str | None = None, kv_cache_dtype: str = "auto",
+         lm_head: str | None = None) -> Plan:
     """The serving envelope of ``model`` on ``hardware`` (a name from ``known_hardware()``,
     ``"this"`` for this machine as measured, or a :class:`Hardware`).
 
     ``memory_budget`` (bytes or ``"80GiB"``; default: the hardware's memory) holds the weights and
     the KV cache; ``kv_cache_memory`` instead fixes the KV budget itself, as the engine's argument
     of that name does. ``precision`` is fp32, bf16, fp16, int8 or int4; ``dtype`` the activation
-    dtype of int8/int4 (default bfloat16). ``context_len`` defaults to the model's context length,
-    at most 4096. The defaults (this machine, fp32) are what minserve runs here; for a GPU pass
+    dtype of int8/int4 (default bfloat16); ``group_size`` that of int4 (default 32, the engine's; a
+    layer it does not divide is planned at the largest size that does, with a note: the engine
+    needs ``quantization_config={"fallback": True}`` for that); ``lm_head`` the engine's LM head
+    policy: "quantize", "int8" (int4 only) or "keep" (None: its default, an int8 head;
+    minserve/quant/schemes.py).
+    ``context_len`` defaults to the model's context length,
+    at most 4096. ``kv_cache_dtype`` is the engine argument: "auto" (KV in ``dtype``) or "int8"
+    (engine/kv_cache.py's bytes per token, the same function the engine sizes its pool with).
+    The defaults (this machine, fp32) are what minserve runs here; for a GPU pass
     e.g. ``hardware="h100", precision="bf16"``. See :mod:`minserve.plan.budget` for the formulas."""
     name, cfg = model_config(model)
     hw = get_hardware(hardware)
@@ -141,18 +160,20 @@ def plan(model: str | Path | ModelConfig = "smollm2-135m", hardware: str | Hardw
     if context_len is None:
         context_len = min(4096, cfg.max_position_embeddings)
     _check_int("context_len", context_len, 1, cfg.max_position_embeddings)
-    w = budget.weight_bytes(cfg, precision, dtype, group_size)
+    w = budget.weight_bytes(cfg, precision, dtype, group_size, lm_head)
     memory = hw.memory_bytes if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
-    kv_per_token = cfg.kv_bytes_per_token(budget.DTYPE_BYTES[dtype])
-    notes = []
+    kv_per_token = kv_cache_bytes_per_token(cfg, kv_cache_dtype, dtype)  # the engine's own formula
+    notes = _group_notes(cfg, precision, group_size, lm_head)
     if kv_cache_memory is not None:
         kv_budget = parse_bytes(kv_cache_memory, "kv_cache_memory")
         if w.resident + kv_budget > memory:
             notes.append(f"weights + kv_cache_memory exceed the memory budget by "
                          f"{(w.resident + kv_budget - memory) / 2**30:.2f} GiB")
     else:
-        kv_budget = max(0, memory - w.resident)
-        if w.resident > memory:
+        try:
+            kv_budget = budget.kv_budget_within(memory, w.resident)  # the engine's memory_budget formula
+        except ValueError:
+            kv_budget = 0
             notes.append(f"the weights alone exceed the memory budget by {(w.resident - memory) / 2**30:.2f} GiB")
     blocks = kv_budget // (kv_per_token * block_size)
     per_seq = math.ceil(context_len / block_size)
@@ -166,7 +187,23 @@ def plan(model: str | Path | ModelConfig = "smollm2-135m", hardware: str | Hardw
     return Plan(name, hw.name, precision, dtype, group_size, block_size, context_len,
                 budget.param_count(cfg), w.resident, w.per_step, w.scales, kv_per_token, memory, kv_budget,
                 blocks, per_seq, seqs, bw, rate, pre.seconds, pre.bound, one.seconds, one.bound,
-                None if full is None else full.seconds, None if full is None else full.bound, notes)
+                None if full is None else full.seconds, None if full is None else full.bound, notes,
+                kv_cache_dtype, lm_head or budget.DEFAULT_LM_HEAD.get(precision, "keep"))
+
+
+def _group_notes(cfg: ModelConfig, precision: str, group_size: int, lm_head: str | None) -> list[str]:
+    """Say where int4's group size does not divide a layer (planned with the engine's fallback)."""
+    if precision != "int4":
+        return []
+    widths = {i for _, i in budget.block_matrices(cfg)}
+    if (lm_head or budget.DEFAULT_LM_HEAD["int4"]) == "quantize":
+        widths.add(cfg.hidden_size)
+    odd = sorted(i for i in widths if i % group_size)
+    if not odd:
+        return []
+    used = {i: budget.resolve_group_size(group_size, i, True, f"in_features {i}", "group_size") for i in odd}
+    return [f"g{group_size} does not divide in_features {', '.join(map(str, odd))}: "
+            f"{', '.join(f'g{g}' for g in used.values())} there (engine: needs fallback=True)"]
 
 
 def plans_frame(plans: list[Plan]):

@@ -51,6 +51,19 @@ class QuantScheme:
         ``lm_head``), or None to leave it dense. Must keep ``linear``'s contract (module docstring)."""
         raise NotImplementedError(f"{type(self).__name__}.convert")
 
+    def label(self) -> str:
+        """Every setting that changes the weights, e.g. ``int4 g32 lm_head=quantize``: the engine's
+        start-up log and its prefix-cache fingerprint name the format by it."""
+        return f"{self.name} lm_head={self.lm_head}"
+
+    def check_model(self, model: nn.Module) -> None:
+        """Raise ValueError, before anything is converted, for a model the scheme cannot convert
+        whole (e.g. a group size that does not divide a layer): no half-quantized model is left."""
+
+    def prepare(self, model: nn.Module, tokenizer) -> None:
+        """Work on the dense model before any layer is swapped (AWQ calibrates and folds its scales
+        here); the engine calls it through ``minserve.quant.apply_quantization``."""
+
 
 def quantize_(model: nn.Module, scheme: QuantScheme) -> nn.Module:
     """Replace, in place, every dense ``Linear`` of ``model`` that ``scheme`` converts; returns ``model``.

@@ -18,7 +18,8 @@ import types
 import typing
 from dataclasses import MISSING, fields
 
-from minserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, SCHEDULING_POLICIES, EngineConfig
+from minserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig
+from minserve.quant.schemes import QUANTIZATION_METHODS
 from minserve.server.admission import AdmissionConfig, ClassLimits
 from minserve.server.limits import CHARS_PER_TOKEN_BOUND, RequestLimits
 
@@ -86,8 +87,17 @@ ENGINE_HELP = {
     "adaptive_threads": "on CPU, pick each decode step's thread count from measured step times",
     "scheduling_policy": "fcfs, or priority: interactive before batch, then lower 'priority' first; "
                          "lower-priority requests are preempted first",
+    "quantization": "quantize the weights at start-up: int8 (per-channel), int4 (group-wise), int4-awq "
+                    "(activation-aware int4); default: the model's dtype",
+    "quantization_config": "JSON settings of --quantization, e.g. '{\"group_size\": 64}' (keys: group_size, "
+                           "fallback, lm_head; int4-awq: calibration, max_calibration_tokens, n_grid)",
+    "memory_budget": "weights + KV cache, e.g. 1GiB: the KV cache gets what the weights leave "
+                     "(excludes --kv-cache-memory and --num-kv-blocks)",
+    "kv_cache_dtype": "KV cache storage: auto (the model dtype) or int8 (a float32 scale per token and "
+                      "kv head: ~3.8x the tokens of fp32 at head_dim 64)",
 }
-ENGINE_CHOICES = {"dtype": ("float32", "bfloat16", "float16"), "scheduling_policy": SCHEDULING_POLICIES}
+ENGINE_CHOICES = {"dtype": ("float32", "bfloat16", "float16"), "scheduling_policy": SCHEDULING_POLICIES,
+                  "kv_cache_dtype": KV_CACHE_DTYPES, "quantization": QUANTIZATION_METHODS}
 
 
 def add_engine_arguments(group) -> None:

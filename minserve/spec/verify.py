@@ -26,3 +26,32 @@ def accept_one_hot(proposals: list[int], drawn: list[int]) -> int:
     while n < len(proposals) and drawn[n] == proposals[n]:
         n += 1
     return n + 1
+
+
+def rejection_sample(target_probs, draft_probs, proposals: list[int], generator=None) -> list[int]:
+    """The general rule, for proposals drawn from a draft distribution q (a draft model).
+
+    ``target_probs`` [k + 1, V]: the target's distribution at each row (after temperature, top-k,
+    top-p); ``draft_probs`` [k, V]: the draft's at each proposal. Proposal i is kept with
+    probability min(1, p_i(d) / q_i(d)); the first one refused is replaced by a draw from the
+    residual max(0, p_i - q_i), normalized, and the rest are dropped; if all are kept, a bonus
+    token is drawn from p_k. Whatever q is, each returned token is distributed exactly as the
+    target would have sampled it (Leviathan et al. 2023; Chen et al. 2023): accepting d and
+    drawing from the residual together give P(x) = min(p, q)(x) + (1 - sum min(p, q)) *
+    residual(x) = p(x). Returns the tokens (1 to k + 1)."""
+    import torch
+
+    out: list[int] = []
+    for i, d in enumerate(proposals):
+        p, q = target_probs[i], draft_probs[i]
+        u = torch.rand((), generator=generator, device=p.device)
+        if q[d] > 0 and u * q[d] <= p[d]:   # u < p/q without dividing (q may be tiny)
+            out.append(d)
+            continue
+        residual = (p - q).clamp_min(0)
+        total = residual.sum()
+        dist = residual / total if total > 0 else p  # p == q: nothing to correct (cannot refuse)
+        out.append(int(torch.multinomial(dist, 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(target_probs[len(proposals)], 1, generator=generator)))
+    return out
