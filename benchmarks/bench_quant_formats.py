@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_quant_formats.py                  # every row, SmolLM2-135M
     .venv/bin/python benchmarks/bench_quant_formats.py --rows fp32,int4 --decode-tokens 32
     .venv/bin/python benchmarks/bench_quant_formats.py --reproduction   # only formats.reproduction
+    .venv/bin/python benchmarks/bench_quant_formats.py --head           # only the LM head, per format
 
 Per row (a quantization and its quantization_config): resident weight bytes and bytes streamed per
 decode token (engine.runner.weight_footprint()), KV blocks a fixed memory_budget leaves, greedy
@@ -109,6 +110,31 @@ def reproduction_table(model: str) -> list[dict]:
     return rows
 
 
+def head_timings(model: str, repeats: int = 30) -> list[dict]:
+    """The LM head alone at batch 1 (one decode step's head), each format through what the engine's
+    PyTorch path runs (F.linear for fp32, kernels/quant.py for int8 / int4): formats interleaved,
+    median of ``repeats``, so a busy neighbour slows all of them alike."""
+    from minserve.models.layers import Linear
+    from minserve.quant import Int4Linear, Int8Linear
+    table = load_model(model).weights["model.embed_tokens.weight"]
+    dense = Linear.from_weight(table)
+    heads = {"fp32": dense, "int8": Int8Linear(dense), "int4 g32": Int4Linear(dense, 32),
+             "int4 g64": Int4Linear(dense, 64)}
+    x = torch.randn(1, table.shape[1])
+    times = {k: [] for k in heads}
+    for _ in range(repeats):
+        for k, h in heads.items():
+            t0 = time.perf_counter()
+            h(x)
+            times[k].append(time.perf_counter() - t0)
+    rows = []
+    for k, h in heads.items():
+        ms = sorted(times[k])[len(times[k]) // 2] * 1e3
+        nbytes = h.descriptor().nbytes
+        rows.append(dict(format=k, head_mib=nbytes / 2**20, median_ms=ms, gb_per_s=nbytes / ms / 1e6))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -117,11 +143,14 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64, help="0: skip the speed columns")
     ap.add_argument("--memory-budget", type=int, default=1 << 30, help="bytes, for the KV blocks column")
     ap.add_argument("--reproduction", action="store_true")
+    ap.add_argument("--head", action="store_true", help="only the LM head at batch 1, per format")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.reproduction:
         result = reproduction_table(args.model)
+    elif args.head:
+        result = head_timings(args.model)
     else:
         tok = load_model(args.model).tokenizer
         prompts = [tok.encode(t)[:16] for t in load_texts()]

@@ -132,6 +132,16 @@ static inline void dequant32(const uint8_t *p, levels_t t, vf16 *even, vf16 *odd
 }
 #endif
 
+/* Load a vector once and keep it in a register. Without this, GCC folds the load into each
+ * multiply-add that uses it (a memory operand), so an input vector is loaded once per weight row
+ * instead of once per pair of rows, and at batch 8-16 the load ports, not the FMAs, bound the loop
+ * (measured in L2, one thread: int4 g32 28 -> 43 GMAC/s, int8 42 -> 48 GMAC/s at batch 16). */
+#if defined(__AVX512F__)
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
+#else
+#define IN_REGISTER(v) ((void)0)   /* AVX2 / portable: a vf16 spans several registers anyway */
+#endif
+
 /* Both row loops below share a shape: two weight rows at a time, so each x vector loaded feeds
  * two multiply-adds and batch 1 has two independent chains of adds (one chain would wait on the
  * FMA latency at every step). An odd last row pairs with itself and is stored once. A row's sum
@@ -163,6 +173,7 @@ int8_rows(const int8_t *restrict codes, const float *restrict scales, const floa
             vf16 w0 = int8x16_to_float(w[0] + i), w1 = int8x16_to_float(w[1] + i);
             for (int b = 0; b < nb; b++) {
                 vf16 xv = *(const vf16 *)(x + b * in + i);
+                IN_REGISTER(xv);
                 acc[0][b] += w0 * xv;
                 acc[1][b] += w1 * xv;
             }
@@ -202,6 +213,8 @@ int4_rows(const uint8_t *restrict packed, const float *restrict scales, const fl
                 for (int b = 0; b < nb; b++) {
                     const float *xb = xs + b * in + k * g + j;
                     vf16 xe = *(const vf16 *)xb, xo = *(const vf16 *)(xb + 16);
+                    IN_REGISTER(xe);
+                    IN_REGISTER(xo);
                     for (int rr = 0; rr < 2; rr++) {   /* two FMAs: fewest operations at batch 16 */
                         acc[rr][b] += we[rr] * xe;
                         acc[rr][b] += wo[rr] * xo;

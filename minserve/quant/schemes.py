@@ -66,9 +66,8 @@ class _QuantLinear(nn.Module):
         # (float32, formats.py) and every kernel reads them as such: move them, never cast them.
         keep = {n: b for n, b in self._buffers.items() if n in ("scales", "mins") and b is not None}
         super()._apply(fn, recurse)
-        device = fn(torch.empty(0)).device
-        for n, b in keep.items():
-            self._buffers[n] = b.to(device)
+        for n, b in keep.items():  # where fn sends an empty tensor from b's device is where b goes
+            self._buffers[n] = b.to(fn(b.new_empty(0)).device)
         return self
 
     def _path(self, x: torch.Tensor) -> str:

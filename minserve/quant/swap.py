@@ -7,18 +7,21 @@ a replacement keeps the ``Linear`` contract (``forward(x [T, in]) -> [T, out]`` 
 ``in_features`` / ``out_features``, ``descriptor()``, ``weight_bytes()``), and kernels that bind
 weights read ``descriptor().format`` and refuse a format they do not implement.
 
-Where formats plug in (issue 11): ``minserve/quant/formats.py`` defines the tensor layouts
-(``quantize_int8``, ``quantize_int4``, ...). Each format becomes usable as a :class:`QuantScheme`
-subclass whose ``convert`` packs the dense weight with those functions and returns a module whose
-``descriptor()`` reports the format (``"int8"``, ``"int4"`` with its group size, scales, zero
-points / mins), so ``weight_bytes()`` and the kernels see it. This module is only the mechanism;
-it knows no format.
+Where formats plug in: ``minserve/quant/formats.py`` defines the tensor layouts (``quantize_int8``,
+``quantize_int4``, ...); ``minserve/quant/schemes.py`` (and ``awq.py``) the :class:`QuantScheme`
+subclasses that ``LLM(quantization=...)`` builds, whose ``convert`` packs the dense weight with
+those functions into a module whose ``descriptor()`` reports the format (``"int8"``, ``"int4"``
+with its group size, scales, mins), so ``weight_bytes()`` and the kernels see it. A scheme may
+also ``check_model`` (refuse before converting anything) and ``prepare`` the dense model (AWQ
+folds its scales); ``schemes.apply_quantization`` runs the three in order. This module is only
+the mechanism; it knows no format.
 
 The LM head policy (``QuantScheme.lm_head``):
 
 * ``"keep"`` (default): the head stays a dense ``Linear``. A head tied to the embedding stays tied:
   one shared Parameter, one table in memory.
-* ``"quantize"``: the head is converted like any other layer. The head is the largest single
+* ``"quantize"``: the head is converted (a scheme may give it another format than the blocks:
+  int4 schemes store it in int8 by default, schemes.py). The head is the largest single
   matrix of a small model (SmolLM2-135M's 49152 x 576 head is a fifth of its weight bytes); when
   it was tied, it becomes its *own* quantized module (untied) while the embedding stays dense:
   a lookup reads a few rows, so quantizing the table would save no bandwidth, only accuracy.
