@@ -284,3 +284,13 @@ print("ok")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_the_planner_predicts_the_smollm2_int4_engine():
+    eng = LLM("smollm2-135m", quantization="int4", memory_budget="1GiB").llm_engine
+    fp = eng.runner.weight_footprint()
+    p = plan("smollm2-135m", hardware="h100", precision="int4", dtype="float32", memory_budget="1GiB")
+    assert (p.weight_bytes, p.weight_bytes_per_step) == (fp.resident_bytes, fp.streamed_bytes)
+    assert p.num_kv_blocks == eng.kv_spec.num_blocks == 1155
+    assert isinstance(eng.runner.model.lm_head, Int8Linear)  # the int4 default: an int8 head

@@ -110,6 +110,11 @@ class ModelRunner:
         """The fused C decoder when that backend is in use (None otherwise)."""
         return next((b.decoder for b in self.backends if isinstance(b, FusedCpuBackend)), None)
 
+    @fused.setter
+    def fused(self, decoder) -> None:
+        """Replace the fused backend's decoder (tests wrap it to count or time its calls)."""
+        next(b for b in self.backends if isinstance(b, FusedCpuBackend)).decoder = decoder
+
     def _profile_largest_step(self) -> None:
         """The largest step the scheduler can build, run once for its memory peak: a full
         ``max_num_batched_tokens`` spread over ``max_num_seqs`` fresh sequences (the widest batch:

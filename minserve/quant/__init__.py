@@ -7,11 +7,12 @@ and the planner) in ``sizes.py``. See :mod:`minserve.quant.swap` for the contrac
 layer keeps and the LM head policy.
 """
 
-from minserve.quant.schemes import (DEFAULT_LM_HEAD, LM_HEAD_CHOICES, QUANTIZATION_METHODS, Int4Linear, Int4Scheme, Int8Linear,
-                                    Int8Scheme, apply_quantization, make_scheme, set_kernel)
+from minserve.quant.schemes import (DEFAULT_LM_HEAD, LM_HEAD_CHOICES, QUANTIZATION_METHODS, Int4Linear,
+                                    Int4Scheme, Int8Linear, Int8Scheme, apply_quantization, make_scheme,
+                                    set_kernel)
 from minserve.quant.sizes import WeightFootprint, linear_bytes, model_footprint, resolve_group_size
 from minserve.quant.swap import LM_HEAD_POLICIES, QuantScheme, quantize_
 
-__all__ = ["LM_HEAD_POLICIES", "QuantScheme", "quantize_", "QUANTIZATION_METHODS", "DEFAULT_LM_HEAD", "LM_HEAD_CHOICES",
-           "Int8Linear", "Int4Linear", "Int8Scheme", "Int4Scheme", "make_scheme", "apply_quantization",
+__all__ = ["LM_HEAD_POLICIES", "QuantScheme", "quantize_", "QUANTIZATION_METHODS", "DEFAULT_LM_HEAD",
+           "LM_HEAD_CHOICES", "Int8Linear", "Int4Linear", "Int8Scheme", "Int4Scheme", "make_scheme", "apply_quantization",
            "set_kernel", "WeightFootprint", "linear_bytes", "model_footprint", "resolve_group_size"]

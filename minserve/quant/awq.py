@@ -23,12 +23,14 @@ Recipe, as AutoAWQ runs it, on our layers:
    -> the final RMSNorm. All folds are exact in real arithmetic: the dense model is unchanged.
 
 The SmolLM2 twist (README): its fp32 weights are dequantized Q4_1 blocks, so plain int4 g32
-reproduces them exactly and any ``s != 1`` can only add error: the search picks alpha = 0 there.
-AWQ has loss to recover with larger groups (g64, g128 with fallback) and on the LM head.
+reproduces them exactly and any ``s != 1`` can only add error: the search picks alpha = 0 there
+(and stops after it). AWQ has loss to recover with larger groups: with g64 it cuts the mean KL from
+fp32 from 0.318 to 0.147 (perplexity +34 % -> +15 %; ``minserve eval``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -196,7 +198,8 @@ class AWQScheme(Int4Scheme):
         self.report: dict[str, LayerSearch] = {}
 
     def label(self) -> str:
-        src = "default" if self.calibration is None else str(hash(str(self.calibration)) & 0xFFFFFFFF)
+        src = "default" if self.calibration is None else \
+            hashlib.sha256(json.dumps(self.calibration, default=str).encode()).hexdigest()[:12]
         return f"{super().label()} calib={src}:{self.max_tokens} grid={self.n_grid}"
 
     def prepare(self, model: nn.Module, tokenizer) -> None:
