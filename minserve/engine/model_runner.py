@@ -158,9 +158,11 @@ class ModelRunner:
         meta = backend.build_metadata(seqs)
         to = dict(dtype=torch.long, device=self.device)
         ids, pos, rows = (torch.tensor(v, **to) for v in (tokens, positions, logits_rows))
-        # Decode-only steps are timed per shape; prefill chunks vary too much to compare.
-        decode_only = all(q == 1 for q in seqs.query_lens)
-        key = (backend.name, _batch_bucket(len(seqs.query_lens))) if decode_only else None
+        # Decode and verify steps are timed per shape (backend, batch, rows per sequence), so the
+        # thread count adapts for verify steps too; prefill chunks vary too much to compare.
+        decode_only = not any(s.is_prefill for s in sched.scheduled)
+        key = ((backend.name, _batch_bucket(len(seqs.query_lens)), max(seqs.query_lens))
+               if decode_only else None)
         user_threads = torch.get_num_threads()
         threads = self.threads.choose(key) if self.threads.enabled else user_threads
         if threads != user_threads:  # the whole step (sampler too), then the caller's setting back
