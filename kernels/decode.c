@@ -72,10 +72,7 @@ typedef struct {   /* caller-owned scratch, sized for the most rows and the long
     float *xs;               /* rows x max(hidden, heads * head_dim, intermediate): int4's x order */
     float *scores;
     int64_t scores_stride;   /* floats per (row, head) of scores: >= longest context */
-    int64_t *slots;          /* [rows, scores_stride]: each row's cache slot of each of its keys */
-    float *partials;         /* [rows, kv_heads, chunks, heads / kv_heads, head_dim + 2] */
-    int64_t *items;          /* [rows * kv_heads * chunks]: a step's attention work items */
-} Scratch;                   /* chunks = ceil(scores_stride / KEY_CHUNK), decode_attention.h */
+} Scratch;
 
 static inline vf16 splat(float v) { return (vf16){0} + v; }
 
@@ -278,12 +275,11 @@ int64_t ms_decode_step(const ModelPtrs *m, const Scratch *s, int64_t B, const in
     int nt = nthreads > 0 ? (int)nthreads : omp_get_max_threads();
     if (!model_ok(m)) return -1;
     for (int64_t b = 0; b < B; b++) memcpy(s->h + b * E, m->embed + token_ids[b] * E, E * sizeof(float));
-    int64_t n_items = plan_attention(m, s, B, positions, tables, table_stride);
     for (int64_t l = 0; l < m->num_layers; l++) {
         const LayerPtrs *L = &m->layers[l];
         ms_rms_norm(s->h, L->input_norm, s->x, B, E, m->eps);
         matmul(&L->qkv, s->x, s->xs, s->qkv, B, E, qkv_dim, 0, nt);
-        attention_block(m, L, s, B, positions, n_items, nt);
+        attention_block(m, L, s, B, positions, tables, table_stride, nt);
         matmul(&L->o_proj, s->attn, s->xs, s->h, B, H * D, E, 1, nt);      /* h += o_proj(attn) */
         ms_rms_norm(s->h, L->post_norm, s->x, B, E, m->eps);
         matmul(&L->gate_up, s->x, s->xs, s->gate_up, B, E, 2 * I, 0, nt);

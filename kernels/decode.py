@@ -67,7 +67,7 @@ class _ModelPtrs(ctypes.Structure):
 
 class _Scratch(ctypes.Structure):
     _fields_ = ([(n, _f32p) for n in ("h", "x", "qkv", "attn", "gate_up", "act", "xs", "scores")]
-                + [("scores_stride", _I64), ("slots", _i64p), ("partials", _f32p), ("items", _i64p)])
+                + [("scores_stride", _I64)])
 
 
 def _ptr(t: torch.Tensor | None, kind=_f32p):
@@ -280,10 +280,8 @@ class FusedDecoder:
         # xs: an int4 matrix's input in its nibble order (decode.c's matmul), as wide as any input.
         sizes = dict(h=e, x=e, qkv=qkv, attn=attn, gate_up=2 * inter, act=inter, xs=max(e, attn, inter))
         self._buffers = {n: torch.empty(limit, size) for n, size in sizes.items()}
-        self._key_chunk = _I64.in_dll(self._lib, "ms_key_chunk").value   # keys per attention item
-        self._kv_heads, self._head_dim = cfg.num_kv_heads, cfg.head_dim
-        self._attention = {}   # the attention scratch (_ensure_scores), kept alive here
-        self._scratch = _Scratch(*[_ptr(self._buffers[n]) for n in sizes])
+        self._scores = torch.empty(0)
+        self._scratch = _Scratch(*[_ptr(self._buffers[n]) for n in sizes], _ptr(self._scores), 0)
 
     @property
     def max_batch(self) -> int:  # the older name: rows were sequences when every step was a decode
@@ -296,27 +294,18 @@ class FusedDecoder:
         return sum(query_lens) <= self.max_rows
 
     def _ensure_scores(self, rows: int, context: int) -> None:
-        # Attention scratch, per query row: softmax scores (one row per head), the cache slot of
-        # each key, and per (kv head, chunk of keys) the partial results of each query head
-        # (decode_attention.h). It grows with the longest context and the most rows seen, not with
-        # the model's maximum length (which may be 128k tokens) times max_rows: k + 1 verification
-        # rows need not cost k + 1 times the memory.
+        # Softmax scratch, one row per (query row, head). It grows with the longest context and
+        # the most rows seen, not with the model's maximum length (which may be 128k tokens)
+        # times max_rows: a verification step's k + 1 rows need not cost k + 1 times the memory.
         stride = self._scratch.scores_stride
-        old_rows = self._attention["slots"].numel() // stride if stride else 0
-        if stride >= context and old_rows >= rows:
-            return
         if stride < context:
             stride = max(context, 2 * stride, 256)
-        rows, heads = max(rows, old_rows), self._model.num_heads
-        chunks = -(-stride // self._key_chunk)
-        self._attention = dict(
-            scores=torch.empty(rows * heads * stride), slots=torch.empty(rows * stride, dtype=torch.int64),
-            partials=torch.empty(rows * heads * chunks * (self._head_dim + 2)),
-            items=torch.empty(rows * self._kv_heads * chunks, dtype=torch.int64))
-        a = self._attention
-        self._scratch.scores, self._scratch.scores_stride = _ptr(a["scores"]), stride
-        self._scratch.slots, self._scratch.items = _ptr(a["slots"], _i64p), _ptr(a["items"], _i64p)
-        self._scratch.partials = _ptr(a["partials"])
+        need = rows * self._model.num_heads * stride
+        if stride == self._scratch.scores_stride and self._scores.numel() >= need:
+            return
+        old_rows = self._scores.numel() // max(1, self._model.num_heads * self._scratch.scores_stride)
+        self._scores = torch.empty(max(rows, old_rows) * self._model.num_heads * stride)
+        self._scratch.scores, self._scratch.scores_stride = _ptr(self._scores), stride
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                  logits_indices: torch.Tensor, num_threads: int = 0) -> torch.Tensor:

@@ -47,11 +47,14 @@ typedef float vf4 __attribute__((vector_size(16)));
 #define MAX_BATCH_PASS 4
 #endif
 #define ROW_TILE 16           /* weight rows per OpenMP work item */
-/* Software prefetch this far ahead in a row's codes. One thread streaming int8 from DRAM (a C loop
- * over 1536x576 copies past L3, the stream bench_quant_kernels.py times): 512 B -> ~8 GB/s,
- * 768-1024 B -> ~11-12 GB/s, 1536 B -> ~9 GB/s; int4 g32 ~12.8 GB/s at any of them (it spends
- * twice the time per byte, so 512 B is already early enough). */
+/* Software prefetch this far ahead in a row's codes. int4 (g32, one thread streaming from DRAM,
+ * bench_quant_kernels.py): ~12.8 GB/s from 512 B on, into L1 (prefetcht0). int8 spends half the
+ * time per byte, so it needs more bytes in flight: prefetcht0 at 512 B -> ~8 GB/s, 768-1024 B ->
+ * ~11-12 GB/s, 1536 B -> ~9 GB/s (the early lines evict each other from L1); prefetcht2 (into
+ * L2/L3, locality 1) 4 KB ahead -> 13.5-14.7 GB/s, and with two threads over a 135 MB matrix
+ * 25-27.7 GB/s against 20-21 GB/s for prefetcht0 1 KB (int4 stays best as it is: 28 GB/s). */
 #define PREFETCH_BYTES 1024
+#define INT8_PREFETCH_BYTES 4096
 
 /* Sum of the 16 lanes as a tree of vector adds: a lane-by-lane loop would be a chain of 15
  * dependent additions per output row, which dominates once several inputs share a weight load. */
@@ -168,8 +171,8 @@ int8_rows(const int8_t *restrict codes, const float *restrict scales, const floa
         for (int b = 0; b < nb; b++) acc[0][b] = acc[1][b] = (vf16){0};
         int64_t i = 0;
         for (; i + 16 <= in; i += 16) {
-            __builtin_prefetch(w[0] + i + PREFETCH_BYTES);
-            __builtin_prefetch(w[1] + i + PREFETCH_BYTES);
+            __builtin_prefetch(w[0] + i + INT8_PREFETCH_BYTES, 0, 1);
+            __builtin_prefetch(w[1] + i + INT8_PREFETCH_BYTES, 0, 1);
             vf16 w0 = int8x16_to_float(w[0] + i), w1 = int8x16_to_float(w[1] + i);
             for (int b = 0; b < nb; b++) {
                 vf16 xv = *(const vf16 *)(x + b * in + i);
