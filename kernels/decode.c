@@ -27,8 +27,10 @@
  * - RoPE uses the model's tables cos and sin_signed [max_positions, head_dim] (half-split layout,
  *   the sign of rotate_half folded into the sin table).
  */
+#define _POSIX_C_SOURCE 199309L   /* clock_gettime under -std=c11 */
 #include <math.h>
 #include <string.h>
+#include <time.h>
 
 #include "quant_dot.h"   /* vf16, hsum, ROW_TILE, the int8 / int4 row loops, qmatmul, order_columns */
 
@@ -73,6 +75,37 @@ typedef struct {   /* caller-owned scratch, sized for the most rows and the long
     float *scores;
     int64_t scores_stride;   /* floats per (row, head) of scores: >= longest context */
 } Scratch;
+
+/* Where a step's time goes (benchmarks/bench_quant.py): seconds per part, summed over the steps
+ * run while profiling is on. Off by default, and then a step reads no clock. One set of sums per
+ * process: profile one decoder at a time. Two clocks: wall time (PROFILE_WALL), or the calling
+ * thread's CPU time (PROFILE_CPU), which on a shared host leaves out the time other processes
+ * held the core, and is the whole cost only when the step runs on one thread. */
+enum { PART_WEIGHTS, PART_LM_HEAD, PART_ATTENTION, PART_STEP, STEP_PARTS };
+enum { PROFILE_OFF = 0, PROFILE_WALL = 1, PROFILE_CPU = 2 };
+static int profiling;
+static double part_seconds[STEP_PARTS];
+
+static inline double clock_now(void) {
+    if (profiling != PROFILE_CPU) return profiling ? omp_get_wtime() : 0.0;
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+static inline void add_time(int part, double since) {
+    if (profiling) part_seconds[part] += clock_now() - since;
+}
+
+/* Copy the sums since the last call into out[STEP_PARTS] (unless NULL), zero them, and set the
+ * profiling mode (PROFILE_*). Parts: block weight matmuls, LM head, attention (RoPE, KV writes
+ * and reads), the whole step (the rest is norms, SwiGLU, embedding). */
+void ms_step_profile(int mode, double *out) {
+    for (int k = 0; k < STEP_PARTS; k++) {
+        if (out) out[k] = part_seconds[k];
+        part_seconds[k] = 0.0;
+    }
+    profiling = mode == PROFILE_WALL || mode == PROFILE_CPU ? mode : PROFILE_OFF;
+}
 
 static inline vf16 splat(float v) { return (vf16){0} + v; }
 
@@ -274,19 +307,34 @@ int64_t ms_decode_step(const ModelPtrs *m, const Scratch *s, int64_t B, const in
     int64_t qkv_dim = (H + 2 * Hkv) * D, I = m->intermediate;
     int nt = nthreads > 0 ? (int)nthreads : omp_get_max_threads();
     if (!model_ok(m)) return -1;
+    double step_start = clock_now(), t;
     for (int64_t b = 0; b < B; b++) memcpy(s->h + b * E, m->embed + token_ids[b] * E, E * sizeof(float));
     for (int64_t l = 0; l < m->num_layers; l++) {
         const LayerPtrs *L = &m->layers[l];
         ms_rms_norm(s->h, L->input_norm, s->x, B, E, m->eps);
+        t = clock_now();
         matmul(&L->qkv, s->x, s->xs, s->qkv, B, E, qkv_dim, 0, nt);
+        add_time(PART_WEIGHTS, t);
+        t = clock_now();
         attention_block(m, L, s, B, positions, tables, table_stride, nt);
+        add_time(PART_ATTENTION, t);
+        t = clock_now();
         matmul(&L->o_proj, s->attn, s->xs, s->h, B, H * D, E, 1, nt);      /* h += o_proj(attn) */
+        add_time(PART_WEIGHTS, t);
         ms_rms_norm(s->h, L->post_norm, s->x, B, E, m->eps);
+        t = clock_now();
         matmul(&L->gate_up, s->x, s->xs, s->gate_up, B, E, 2 * I, 0, nt);
+        add_time(PART_WEIGHTS, t);
         silu_mul(s->gate_up, s->act, B, I);
+        t = clock_now();
         matmul(&L->down, s->act, s->xs, s->h, B, I, E, 1, nt);               /* h += down(act) */
+        add_time(PART_WEIGHTS, t);
     }
     for (int64_t r = 0; r < n_logits; r++)
         ms_rms_norm(s->h + logit_rows[r] * E, m->final_norm, s->x + r * E, 1, E, m->eps);
-    return matmul(&m->lm_head, s->x, s->xs, logits, n_logits, E, m->vocab, 0, nt);
+    t = clock_now();
+    int64_t team = matmul(&m->lm_head, s->x, s->xs, logits, n_logits, E, m->vocab, 0, nt);
+    add_time(PART_LM_HEAD, t);
+    add_time(PART_STEP, step_start);
+    return team;
 }

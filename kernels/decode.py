@@ -43,6 +43,8 @@ INT4_GROUP_SIZES = (32, 64, 128)   # the int4 group sizes decode.c compiles a lo
 # decode.c's enums: a matrix's format, and the KV cache's.
 WEIGHT_F32, WEIGHT_INT8, WEIGHT_INT4 = 0, 1, 2
 KV_F32, KV_INT8 = 0, 1
+STEP_PARTS = ("weights", "lm_head", "attention", "step")   # decode.c's PART_*, in order
+_PROFILE_CLOCKS = {None: 0, "wall": 1, "cpu": 2}             # decode.c's PROFILE_*
 
 
 class _Weight(ctypes.Structure):   # decode.c's Weight: one matrix in its own format
@@ -331,6 +333,18 @@ class FusedDecoder:
             raise RuntimeError("ms_decode_step refused the bound weights or KV cache formats")
         self.last_team_size = team
         return logits
+
+    def step_profile(self, clock: str | None) -> dict[str, float]:
+        """Seconds spent per part (``STEP_PARTS``: block weight matmuls, LM head, attention, the
+        whole step) by the steps run since the last call, summed; then profile the next steps on
+        ``clock``: "wall", "cpu" (the calling thread's CPU time: on a shared host it leaves out
+        the time other processes held the core; the whole cost only at ``num_threads=1``) or None
+        (off). The sums are per process (decode.c's ms_step_profile): one decoder at a time."""
+        if clock not in _PROFILE_CLOCKS:
+            raise ValueError(f"clock must be one of {list(_PROFILE_CLOCKS)}, got {clock!r}")
+        sums = (ctypes.c_double * len(STEP_PARTS))()
+        self._lib.ms_step_profile(ctypes.c_int(_PROFILE_CLOCKS[clock]), sums)
+        return dict(zip(STEP_PARTS, sums))
 
     def _check(self, ids, pos, tables, rows) -> None:
         # C trusts every index it is given; a bad one would read or write outside the buffers.

@@ -87,7 +87,12 @@ static inline void prefetch_kv(const ModelPtrs *m, const LayerPtrs *L, int64_t e
 /* Softmax attention of one query head over n_ctx cached keys/values of one kv head. Tried and not
  * kept (SmolLM2-135M, batch 16, context 300): one work item per (row, kv head, 64 keys) serving
  * the kv head's query heads together, chunks merged flash-decoding style (1.4x slower); the
- * values summed in registers instead of axpy into `out` (no change). */
+ * values summed in registers instead of axpy into `out` (no change); the query heads of a kv head
+ * walking the keys together, and a row's heads walking each cache block whole (query and value
+ * sums in registers, the next block prefetched, no division per key): 32 ms of a one-thread step
+ * before, 34-39 ms after (CPU time). At batch 16 this part reads 222 MB of fp32 K/V per step
+ * (more than int4's weights); kv_cache_dtype="int8" reads 59 MB and takes 18 ms instead of 33
+ * (benchmarks/bench_quant.py --profile-clock cpu): fewer bytes helped where reordering did not. */
 static void attend(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t *table,
                    int64_t n_ctx, int64_t kv_head, float *scores, float *out) {
     int64_t bs = m->block_size, Hkv = m->num_kv_heads, D = m->head_dim;

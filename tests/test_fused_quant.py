@@ -361,3 +361,26 @@ def test_kernel_cache_key_covers_the_files_a_source_includes(tmp_path, monkeypat
     (tmp_path / "decode_attention.h").unlink()
     with pytest.raises(KernelUnavailable, match="decode_attention.h"):
         kernel_build.library_path("decode")
+
+
+def test_step_profile_splits_a_step_into_parts(model_dirs):
+    """The per-part clock benchmarks/bench_quant.py reads (decode.c's ms_step_profile): off by
+    default, every part counted, the parts within the whole step, both clocks, a clear error."""
+    runner = _runner(model_dirs["llama"], "int4-g32")
+    kv, bs = runner.kv_caches, runner.block_size
+    ids, pos, tables = _step([40, 70], [1, 1], kv[0][0].shape[0], bs, seed=3)
+    dec = FusedDecoder(runner.model, kv, max_rows=2)
+    args = ids, pos, rows_block_tables([1, 1], tables), torch.arange(2)
+    dec.step_profile(None)
+    dec(*args)
+    assert all(v == 0 for v in dec.step_profile(None).values()), "profiling was on without being asked"
+    for clock in ("wall", "cpu"):
+        dec.step_profile(clock)
+        for _ in range(3):
+            dec(*args, num_threads=1)
+        parts = dec.step_profile(None)
+        assert set(parts) == {"weights", "lm_head", "attention", "step"}
+        assert all(v > 0 for v in parts.values()), (clock, parts)
+        assert parts["weights"] + parts["lm_head"] + parts["attention"] <= parts["step"] * 1.0001, parts
+    with pytest.raises(ValueError, match="clock must be one of"):
+        dec.step_profile("gpu")

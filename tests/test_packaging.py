@@ -40,13 +40,21 @@ def _packages_under(directory: Path, name: str) -> set[str]:
 def test_pyproject_lists_every_package_and_maps_the_kernels():
     """The packages are listed, not found (find cannot see kernels/), so the list must keep up."""
     tool = _pyproject()["tool"]["setuptools"]
-    assert tool["package-dir"] == {"minserve.kernels": "kernels"}
-    expected = _packages_under(ROOT / "minserve", "minserve") | _packages_under(KERNELS, "minserve.kernels")
+    assert tool["package-dir"] == {"minserve.kernels": "kernels", "minserve.datasets": "datasets"}
+    # minserve.datasets: data files only, and no __init__.py on purpose: a regular package named
+    # datasets at the repository root would shadow Hugging Face's (lm-eval imports it).
+    expected = (_packages_under(ROOT / "minserve", "minserve") | _packages_under(KERNELS, "minserve.kernels")
+                | {"minserve.datasets"})
+    assert not (ROOT / "datasets" / "__init__.py").exists()
     assert set(tool["packages"]) == expected, "add new packages to [tool.setuptools] packages"
     assert not (ROOT / "minserve" / "kernels").exists(), "the kernels live in the top-level kernels/"
     data = tool["package-data"]["minserve.kernels"]
     sources = sorted(KERNELS.rglob("*.c"))
     assert sources and all(any(s.relative_to(KERNELS).match(g) for g in data) for s in sources)
+    # Every data file `minserve eval` and AWQ read by default ships in the wheel.
+    data_root, globs = ROOT / "datasets", tool["package-data"]["minserve.datasets"]
+    files = sorted([*data_root.glob("*/*.jsonl"), *data_root.glob("eval/tasks/*.yaml")])
+    assert len(files) >= 5 and all(any(f.relative_to(data_root).match(g) for g in globs) for f in files)
 
 
 def _import_report(cwd: Path, *python_args: str) -> dict:
@@ -127,6 +135,13 @@ WHEEL_SMOKE = textwrap.dedent("""
     assert all(len(o.outputs[0].token_ids) == 4 for o in out), out
     assert calls, "no decode step ran in the fused kernel"
     assert list((cache / "kernels").glob("libdecode-*.so")), "the installed source was not compiled"
+    # The gate's data and AWQ's calibration text come from the wheel too (no checkout on the path).
+    from minserve.eval.data import default_data_dir, load_questions, load_texts
+    from minserve.quant.awq import default_calibration_path, load_calibration
+    assert default_data_dir().is_relative_to(site / "minserve" / "datasets"), default_data_dir()
+    assert default_calibration_path().is_relative_to(site), default_calibration_path()
+    assert len(load_texts()) >= 20 and len(load_questions()) >= 50 and load_calibration()
+    assert (default_data_dir() / "tasks" / "minserve_questions.yaml").is_file()
     print("OK", minserve.__file__, build.SOURCE_DIR, len(calls))
 """)
 
@@ -137,7 +152,7 @@ def test_wheel_installs_and_runs_the_fused_decode_step(tmp_path):
     with --no-deps into a directory, and run a fused decode step from that copy alone."""
     src = tmp_path / "src"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
-    for name in ("minserve", "kernels"):
+    for name in ("minserve", "kernels", "datasets"):
         shutil.copytree(ROOT / name, src / name, ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
@@ -153,6 +168,8 @@ def test_wheel_installs_and_runs_the_fused_decode_step(tmp_path):
     assert inst.returncode == 0, inst.stdout + inst.stderr
     assert (site / "minserve" / "kernels" / "decode.c").is_file()
     assert not (site / "kernels").exists(), "the kernels must install as minserve.kernels only"
+    assert (site / "minserve" / "datasets" / "eval" / "prose.jsonl").is_file()
+    assert not (site / "datasets").exists(), "the data must install as minserve/datasets only"
 
     # The venv's interpreter (torch & co. from its site-packages); the wheel's copy first on the path,
     # the repository nowhere on it (cwd is tmp_path).

@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quantization", default="fp32,int8,int4",
                     help="comma-separated rows: fp32 (or none), a quantization= value (int8, int4, "
                          "int4-awq, ...), each optionally NAME:key=value for more engine arguments")
-    ap.add_argument("--data-dir", default=None, help="default: the repository's datasets/eval")
+    ap.add_argument("--data-dir", default=None, help="default: datasets/eval (minserve/datasets/eval in a wheel)")
     ap.add_argument("--max-texts", type=int, default=None, help="use only the first N texts")
     ap.add_argument("--max-questions", type=int, default=None, help="use only the first N questions")
     ap.add_argument("--agreement-lengths", default="16,48",

@@ -1,4 +1,5 @@
-"""The evaluation data that ships with the project (``datasets/eval/``), and how it is read.
+"""The evaluation data that ships with the project (``datasets/eval/``, installed with the wheel as
+``minserve/datasets/eval/``), and how it is read.
 
 Two sets, both written for this project and licensed with it (datasets/eval/README.md):
 
@@ -43,15 +44,28 @@ class Question:
         return f"{FEWSHOT}Question: {self.question}\nAnswer:"
 
 
+def dataset_path(*parts: str) -> Path:
+    """A path under the data that ships with minserve: the repository's ``datasets/`` in a checkout,
+    ``minserve/datasets/`` in an installed wheel (pyproject.toml maps the one to the other, as it
+    does kernels/). A checkout's own copy wins, as for the kernels; ``eval/prose.jsonl`` marks the
+    directory as ours (Hugging Face's ``datasets`` package may sit beside an installed minserve)."""
+    package = Path(__file__).resolve().parents[1]
+    for root in (package.parent / "datasets", package / "datasets"):
+        if (root / "eval" / "prose.jsonl").is_file():
+            return root.joinpath(*parts)
+    return (package / "datasets").joinpath(*parts)   # missing: the readers' errors name this path
+
+
 def default_data_dir() -> Path:
-    """``datasets/eval`` of the source checkout (the data is not part of the installed wheel)."""
-    return Path(__file__).resolve().parents[2] / "datasets" / "eval"
+    """The gate's text and questions (``datasets/eval``; in a wheel, ``minserve/datasets/eval``)."""
+    return dataset_path("eval")
 
 
 def _jsonl(path: Path) -> list[dict]:
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: evaluation data lives in the repository's "
-                                "datasets/eval/ (pass data_dir / --data-dir to point elsewhere)")
+        raise FileNotFoundError(f"{path} not found: the evaluation data ships in the repository's "
+                                "datasets/eval/ and in the wheel as minserve/datasets/eval/ (pass "
+                                "data_dir / --data-dir to point elsewhere)")
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 

@@ -25,11 +25,13 @@ panel runs it).
 into one row per run: offered and achieved throughput, TTFT and queue time percentiles, waiting
 requests and preemptions, so a lab can plot what extra load turns into.
 
-For the KV cache: :func:`kv_allocation` puts the formula for K/V bytes per token next to what the
-engine actually allocated; :func:`steps_taken` counts the engine steps each request lived
-through (a request nobody delays needs one step per output token, after its prefill); and
+For the KV cache: :func:`kv_allocation` puts the formula for K/V bytes per token
+(:func:`kv_bytes_per_token`, float or int8 cache) next to what the engine actually allocated;
+:func:`steps_taken` counts the engine steps each request lived through (a request nobody delays
+needs one step per output token, after its prefill); and
 :func:`pressure_table` summarizes a concurrency sweep: peak KV blocks, waiting requests,
-preemptions, queue time and latency, one row per run.
+preemptions, queue time and latency, one row per run; :func:`plot_kv_usage` draws each run's KV
+usage over time with its preemptions (the detective's figure).
 """
 
 from __future__ import annotations
@@ -280,20 +282,37 @@ def _pct(v, q) -> float:
 
 # ---- KV cache: the formula, the allocation, the pressure ----------------------------------------
 
-def kv_allocation(target) -> dict[str, int]:
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int,
+                       scale_bytes: int = 0) -> int:
+    """Bytes one token takes in the KV cache: 2 (K and V) x layers x kv_heads x (head_dim x
+    dtype_bytes + scale_bytes). ``scale_bytes`` is 0 for a float cache; an int8 cache
+    (``kv_cache_dtype="int8"``) stores 1-byte codes plus one float32 scale (4 bytes) per token and
+    KV head, so SmolLM2-135M takes 2 x 30 x 3 x (64 + 4) = 12,240 bytes, not 2 x 30 x 3 x 64 x 1."""
+    return int(2 * layers * kv_heads * (head_dim * dtype_bytes + scale_bytes))
+
+
+def kv_allocation(target) -> dict[str, Any]:
     """The KV cache of an engine (or ``LLM``): the formula's parts (``layers``, ``kv_heads``,
-    ``head_dim``, ``dtype_bytes``), ``formula_bytes_per_token`` = 2 x layers x kv_heads x head_dim
-    x dtype_bytes, the engine's own ``bytes_per_token`` (``engine.kv_spec``), ``num_blocks``,
-    ``block_size``, and ``tensor_bytes``: the bytes of the K and V tensors the model runner really
-    allocated (every layer, both tensors)."""
+    ``head_dim``, ``dtype_bytes`` of one stored K/V number, ``scale_bytes`` per token and KV head:
+    0 for a float cache, 4 for ``kv_cache_dtype="int8"``), ``formula_bytes_per_token``
+    (:func:`kv_bytes_per_token` of those parts), ``kv_cache_dtype``, the engine's own
+    ``bytes_per_token`` (``engine.kv_spec``), ``num_blocks``, ``block_size``, and
+    ``tensor_bytes``: the bytes of every KV tensor the model runner really allocated (every layer:
+    K and V, and with an int8 cache their scales too). The element sizes are read from those
+    tensors, so the formula describes what is stored."""
     eng = getattr(target, "llm_engine", target)
     cfg, spec = eng.model_config, eng.kv_spec
-    tensors = [t for pair in eng.runner.kv_caches for t in pair]
-    dtype_bytes = tensors[0].element_size() if tensors else 0
+    layers = eng.runner.kv_caches
+    tensors = [t for layer in layers for t in layer]
+    # A layer holds (k, v), or with kv_cache_dtype="int8" (k_codes, v_codes, k_scales, v_scales).
+    dtype_bytes = layers[0][0].element_size() if layers else 0
+    scale_bytes = layers[0][2].element_size() if layers and len(layers[0]) == 4 else 0
     return {
         "layers": int(cfg.num_layers), "kv_heads": int(cfg.num_kv_heads), "head_dim": int(cfg.head_dim),
-        "dtype_bytes": int(dtype_bytes),
-        "formula_bytes_per_token": int(2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes),
+        "dtype_bytes": int(dtype_bytes), "scale_bytes": int(scale_bytes),
+        "formula_bytes_per_token": kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                                      dtype_bytes, scale_bytes),
+        "kv_cache_dtype": str(spec.kv_cache_dtype),
         "bytes_per_token": int(spec.bytes_per_token), "num_blocks": int(spec.num_blocks),
         "block_size": int(spec.block_size),
         "tensor_bytes": int(sum(t.numel() * t.element_size() for t in tensors)),
@@ -344,3 +363,24 @@ def pressure_table(runs: dict, num_blocks: int | None = None, offered: str = "co
             "most extra steps": int(extra_steps(run).max()),
         })
     return pd.DataFrame(rows).set_index(offered)
+
+
+def plot_kv_usage(panels: Sequence[tuple[str, Any]], title: str, panel_width: float = 2.1):
+    """The detective's figure (labs 03 and 05): one panel per ``(label, RunResult)``, KV blocks in
+    use (%) after each step of the run, a red line at every step that preempted, and the count of
+    preemptions in the panel's title. Returns the figure."""
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(panels), figsize=(panel_width * len(panels), 2.9), sharey=True,
+                             layout="constrained", squeeze=False)
+    for ax, (label, run) in zip(axes[0], panels):
+        steps = run.steps
+        end_s = steps.t_s + steps.step_time_s   # a step's record is taken when it ends
+        preempted = steps.num_preemptions > 0
+        ax.plot(end_s, 100 * steps.kv_cache_usage, color="tab:purple")
+        ax.vlines(end_s[preempted], 0, 105, color="tab:red", lw=1)
+        count = int(steps.num_preemptions.sum())
+        ax.set_title(f"{label}: {count} preemption{'s' if count != 1 else ''}", fontsize=9)
+        ax.set(xlabel="time (s)", ylim=(0, 105))
+    axes[0][0].set_ylabel("KV blocks in use (%)")
+    fig.suptitle(title)
+    return fig

@@ -53,8 +53,9 @@ SEARCH_WEIGHT_ROWS = 8192
 
 
 def default_calibration_path() -> Path:
-    """``datasets/calibration/awq.jsonl`` of the source checkout (not part of a wheel)."""
-    return Path(__file__).resolve().parents[2] / "datasets" / "calibration" / "awq.jsonl"
+    """``datasets/calibration/awq.jsonl`` (in a wheel, ``minserve/datasets/calibration/``)."""
+    from minserve.eval.data import dataset_path
+    return dataset_path("calibration", "awq.jsonl")
 
 
 def load_calibration(source: str | Path | list[str] | None = None) -> list[str]:
@@ -65,8 +66,8 @@ def load_calibration(source: str | Path | list[str] | None = None) -> list[str]:
     else:
         path = Path(source) if source is not None else default_calibration_path()
         if not path.is_file():
-            raise ValueError(f"quantization_config['calibration']: {path} not found (the default set lives "
-                             "in the repository's datasets/calibration/; pass a path or a list of texts)")
+            raise ValueError(f"quantization_config['calibration']: {path} not found (the default set ships "
+                             "in datasets/calibration/; pass a path or a list of texts)")
         raw = path.read_text(encoding="utf-8")
         texts = ([json.loads(line)["text"] for line in raw.splitlines() if line.strip()]
                  if path.suffix == ".jsonl" else [p for p in raw.split("\n\n")])
