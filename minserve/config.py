@@ -128,7 +128,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
 
     # vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": k,
-    # "prompt_lookup_max": n, "prompt_lookup_min": m} (or its JSON text); minserve adds
+    # "prompt_lookup_max": n, "prompt_lookup_min": m} or {"method": "draft_model", "model": "self",
+    # "num_speculative_tokens": k} (or its JSON text); minserve adds
     # "adaptive" (default true): stop proposing where measured steps say it does not pay.
     # Parsed into a minserve.spec.config.SpeculativeConfig. minserve/spec/.
     speculative_config: dict | str | None = None

@@ -54,7 +54,7 @@ class RequestMetrics:
 
 @dataclass
 class CompletionOutput:
-    index: int
+    index: int                          # which sample, 0..n-1 (SamplingParams.n)
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
@@ -71,6 +71,8 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    # With n > 1 (vLLM's shapes): FINAL_ONLY, all n samples by index; streaming (DELTA,
+    # CUMULATIVE), the samples that got tokens in this step. ``finished``: all n are.
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None

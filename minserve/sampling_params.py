@@ -1,8 +1,8 @@
 """Per-request sampling parameters, with vLLM's public names and semantics (a subset).
 
 Code written against ``vllm.SamplingParams`` keeps working here for the fields listed below; fields
-vLLM has and we do not (``best_of``, penalties, ``logit_bias``, ...) are absent
-on purpose, so passing one fails loudly (``TypeError``) instead of being silently ignored.
+vLLM has and we do not (``best_of``, ``truncate_prompt_tokens``, ...) are absent on purpose, so
+passing one fails loudly (``TypeError``) instead of being silently ignored.
 """
 
 from __future__ import annotations
@@ -11,13 +11,17 @@ import copy
 import enum
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Below this temperature a request is greedy. Same constant as vLLM (_SAMPLING_EPS): dividing
 # logits by a smaller number overflows nothing useful and only amplifies rounding noise.
 SAMPLING_EPS = 1e-5
 # Upper bound on the number of top logprobs a request may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+# Upper bound on ``n`` (samples per prompt): the OpenAI API's own limit.
+MAX_N = 128
+# vLLM's OpenAI server clamps each logit_bias value into this range (as OpenAI documents it).
+LOGIT_BIAS_LIMIT = 100.0
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -96,12 +100,104 @@ def _stop_token_ids(value: object) -> list[int]:
     return out
 
 
+def _token_id(name: str, value: object) -> int:
+    """A token id: an int >= 0, or its decimal string (OpenAI's JSON ``logit_bias`` keys)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name} must hold token ids (ints >= 0), got {value!r}")
+    return int(value)
+
+
+def _logit_bias(value: object) -> dict[int, float] | None:
+    """Token id -> bias, each bias clamped to [-100, 100] as vLLM's server does."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias or None, got {value!r:.80}")
+    out = {}
+    for tok, bias in value.items():
+        bias = _float(f"logit_bias[{tok!r}]", bias)
+        out[_token_id("logit_bias", tok)] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, bias))
+    return out
+
+
+def _allowed_token_ids(value: object) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not value:
+        # An empty list would mask every token: nothing could ever be sampled.
+        raise ValueError(f"allowed_token_ids must be a non-empty list of token ids or None, got {value!r:.80}")
+    return [_token_id("allowed_token_ids", t) for t in value]
+
+
+def _bad_words(value: object) -> list[str] | None:
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in items):
+        raise ValueError(f"bad_words must be a list of non-empty strings or None, got {value!r:.80}")
+    return list(items)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a language (vLLM's ``StructuredOutputsParams``). Exactly one of
+    ``json``, ``regex``, ``choice``, ``grammar`` and ``json_object`` must be set.
+
+    Attributes:
+        json: A JSON schema (a dict, or its JSON text): the output is one JSON value valid for it.
+        regex: The output matches this regular expression (the whole output).
+        choice: The output is exactly one of these strings.
+        grammar: An EBNF grammar in the backend's dialect (xgrammar's GBNF-like EBNF, rule ``root``).
+        json_object: True: the output is any JSON object (OpenAI's ``response_format=json_object``).
+        disable_any_whitespace: JSON without free whitespace between tokens (compact, and small
+            models cannot loop on newlines). Applies to ``json`` and ``json_object``.
+        whitespace_pattern: vLLM's regex for JSON whitespace; the xgrammar backend has no such
+            option, so a request that sets it is refused (ValueError) rather than ignored.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {kinds or 'none'}")
+        if not isinstance(self.json, (dict, str, type(None))):
+            raise ValueError(f"structured_outputs.json must be a dict or a JSON string, got {self.json!r:.80}")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            if not isinstance(getattr(self, name), (str, type(None))):
+                raise ValueError(f"structured_outputs.{name} must be a string, got {getattr(self, name)!r:.80}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r:.80}")
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"structured_outputs.json_object must be True or None, got {self.json_object!r}")
+        _bool("structured_outputs.disable_any_whitespace", self.disable_any_whitespace)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, k) not in (None, False))
+
+
 @dataclass
 class SamplingParams:
     """How to pick the tokens of one request (vLLM semantics).
 
     Attributes:
-        n: Number of completions per prompt. Only 1 is supported (no parallel sampling yet).
+        n: Number of completions (samples) per prompt, in [1, 128]. The prompt is prefilled once
+            and the samples share its KV blocks; each then runs as its own sequence. With a
+            ``seed``, sample j draws from its own generator seeded ``seed + j`` (vLLM's rule).
         temperature: Logits are divided by it before sampling. Lower is more deterministic;
             below 1e-5 (e.g. 0) the request is greedy (argmax) and top_p/top_k/min_p are ignored.
         top_p: Nucleus sampling: keep the smallest set of most likely tokens whose cumulative
@@ -129,6 +225,23 @@ class SamplingParams:
         skip_special_tokens: Leave special tokens out of the detokenized text.
         include_stop_str_in_output: Keep the matched stop string at the end of the text.
         output_kind: What each streamed output contains (see ``RequestOutputKind``).
+        presence_penalty: Subtracted from the logit of every token already in the output, in
+            [-2, 2]. Positive values push towards new tokens.
+        frequency_penalty: Subtracted once per occurrence in the output, in [-2, 2].
+        repetition_penalty: For tokens in the prompt or the output, positive logits are divided by
+            it and negative ones multiplied (> 0; 1 disables it; above 1 discourages repeats).
+        logit_bias: Token id -> value added to its logit (clamped to [-100, 100]).
+        allowed_token_ids: Only these tokens may be sampled.
+        bad_words: Words that may never be generated: the last token of a word is banned whenever
+            the output ends with the tokens before it (each word tokenized with and without a
+            leading space).
+        structured_outputs: Constrain the output to a JSON schema, regex, choice or grammar
+            (see ``StructuredOutputsParams``). Such requests get no speculative proposals.
+
+    Penalties, biases, bans and the grammar mask change what is sampled (greedy too); they are
+    applied in vLLM's order (allowed ids, bad words, min_tokens and logit_bias, then the penalties,
+    the grammar mask) before temperature, top-k and top-p. ``logprobs`` are still those of the raw
+    model logits, before any of them.
     """
 
     n: int = 1
@@ -147,10 +260,20 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    # Token ids of each bad word (vLLM's name), filled by the engine from its tokenizer.
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._check_sampling()
         self._check_lengths()
+        self._check_logits_controls()
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
         self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
@@ -161,8 +284,8 @@ class SamplingParams:
 
     def _check_sampling(self) -> None:
         self.n = _int("n", self.n)
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         self.temperature = _float("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -198,6 +321,30 @@ class SamplingParams:
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] or None, "
                              f"got {self.prompt_logprobs}")
+
+    def _check_logits_controls(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        self.logit_bias = _logit_bias(self.logit_bias)
+        self.allowed_token_ids = _allowed_token_ids(self.allowed_token_ids)
+        self.bad_words = _bad_words(self.bad_words)
+        if isinstance(self.structured_outputs, dict):  # e.g. straight from a JSON request body
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or None, "
+                             f"got {type(self.structured_outputs).__name__}")
+
+    @property
+    def uses_structured_outputs(self) -> bool:
+        """True when a grammar constrains the output: such a request gets no speculative
+        proposals (the draft does not know the grammar, and the matcher only moves forward)."""
+        return self.structured_outputs is not None
 
     @staticmethod
     def _check_output_kind(value: object) -> RequestOutputKind:

@@ -26,3 +26,26 @@ def live_server(app, timeout_s: float = 30.0):
         srv.should_exit = True
         thread.join(15)
         sock.close()
+
+
+@contextlib.contextmanager
+def served(engine, **app_kwargs):
+    """``engine`` behind its own app on a live server: base URL, engine, tokenizer, the app's
+    state and an ``openai`` client (api key "x", so its requests are their own tenant)."""
+    from types import SimpleNamespace
+
+    import openai
+
+    from minserve.server import create_app
+    app = create_app(engine, **app_kwargs)
+    with live_server(app) as base:
+        yield SimpleNamespace(base=base, engine=engine, tok=engine.tokenizer, st=app.state.minserve,
+                              client=openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0))
+
+
+def post_json(srv, path: str = "/v1/completions", status: int = 200, **body) -> dict:
+    """POST ``body`` to ``srv.base + path``; assert the status and return the parsed answer."""
+    import httpx
+    r = httpx.post(srv.base + path, json=body, timeout=120)
+    assert r.status_code == status, r.text
+    return r.json()

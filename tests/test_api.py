@@ -105,7 +105,7 @@ def test_chat_applies_template(tiny_llm):
 @pytest.mark.parametrize("kwargs, field", [
     (dict(max_tokens=-1), "max_tokens"), (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.5), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-3), "top_k"), (dict(min_p=2.0), "min_p"),
-    (dict(logprobs=-1), "logprobs"), (dict(n=2), "n"), (dict(min_tokens=9, max_tokens=4), "min_tokens"),
+    (dict(logprobs=-1), "logprobs"), (dict(n=0), "n"), (dict(n=129), "n"), (dict(min_tokens=9, max_tokens=4), "min_tokens"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -323,3 +323,12 @@ def test_panel_degrades_without_a_frontend(engines):
     assert explorer.spec_engine(4, False) is engines[1]
     with pytest.raises(ValueError, match="max_num_seqs"):
         explorer.run("copy", batch=99)
+
+
+def test_spec_config_names_either_method():
+    from minserve.spec.config import parse_speculative_config
+    ngram = parse_speculative_config(ex.spec_config(4, adaptive=True, prompt_lookup_min=2))
+    assert (ngram.method, ngram.num_speculative_tokens, ngram.prompt_lookup_min, ngram.adaptive) == ("ngram", 4, 2, True)
+    draft = parse_speculative_config(ex.spec_config(3, method="draft_model"))
+    assert (draft.method, draft.is_self_draft, draft.quantization, draft.num_speculative_tokens) == \
+        ("draft_model", True, "int4", 3)

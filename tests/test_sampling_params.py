@@ -44,7 +44,8 @@ def test_clone_is_independent():
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(n=2), "n"),
+    (dict(n=0), "n"),
+    (dict(n=129), "n"),
     (dict(temperature=-1.0), "temperature"),
     (dict(temperature=float("nan")), "temperature"),
     (dict(temperature="0.7"), "temperature"),

@@ -148,9 +148,9 @@ def test_logprobs(server):
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 5000}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": PROMPT * 400}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [PROMPT, PROMPT]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [PROMPT, ""]}, 400, "prompt.1"),  # a batch names its bad prompt
     ("/v1/completions", {"prompt": PROMPT, "model": "gpt-9"}, 404, "model"),
-    ("/v1/completions", {"prompt": PROMPT, "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -1}, 400,

@@ -109,6 +109,8 @@ def test_greedy_outputs_equal_plain_decoding(prompts, plain, engine_args):
     accepted = snap["vllm:spec_decode_num_accepted_tokens"]
     assert drafts > 0 and 0 < accepted <= proposed <= 4 * drafts
     assert snap["vllm:spec_decode_num_accepted_tokens_per_pos"] == accepted
+    per_pos = [snap[f'vllm:spec_decode_num_accepted_tokens_per_pos{{position="{i}"}}'] for i in range(4)]
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True) and per_pos[0] <= drafts
     frame = llm.llm_engine.requests_frame()
     assert frame.spec_accepted.sum() == accepted and frame.spec_proposed.sum() == proposed
     steps = llm.llm_engine.steps_frame()
@@ -158,3 +160,34 @@ def test_adaptive_rule_stops_proposing_when_it_does_not_pay():
     assert sum(other.should_propose(1) for _ in range(20)) >= 18
     ctl.record(_stats(prefill=30, decode=2, t=1.0), batch=3)                   # mixed: ignored
     assert (4, False) not in ctl.rate and (3, False) not in ctl.rate
+
+
+def _run_steps(ctl, batch: int, n: int, pays: bool) -> list[bool]:
+    """``n`` steps at ``batch``: 4 proposals per request, half of them accepted when ``pays``
+    (a verify step then costs 1.1 plain steps of 10 ms), else none (and 3 plain steps)."""
+    choices = []
+    for _ in range(n):
+        c = ctl.should_propose(batch)
+        choices.append(c)
+        spec = 4 * batch if c else 0
+        ctl.record(_stats(decode=batch + spec, spec=spec, accepted=spec // 2 if pays else 0,
+                          t=(0.011 if pays else 0.030) if c else 0.010), batch=batch)
+    return choices
+
+
+def test_adaptive_rule_probes_at_once_when_the_batch_shrinks():
+    ctl = AdaptiveSpeculation(probe_every=16)
+    _run_steps(ctl, 1, 20, pays=False)          # batch 1, chat: proposals turned off
+    _run_steps(ctl, 8, 30, pays=False)          # a busy phase at batch 8
+    back = _run_steps(ctl, 1, 6, pays=True)     # back to batch 1, now copying: proposals pay
+    assert back[0], "a batch that shrank must probe proposals at once, not at the next 16th step"
+    assert all(back), "a winning probe must turn proposals back on"
+
+
+def test_adaptive_rule_re_enables_within_one_probe_period():
+    ctl = AdaptiveSpeculation(probe_every=16)
+    off = _run_steps(ctl, 1, 40, pays=False)
+    assert off[-10:].count(True) <= 1
+    on = _run_steps(ctl, 1, 40, pays=True)      # the workload changed: the next probe must flip it
+    first = on.index(True)
+    assert first <= 16 and on[first:].count(False) <= 2, on   # then plain only as a rare probe

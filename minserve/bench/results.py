@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -116,12 +118,18 @@ def save_result(result: dict, path: str | Path) -> Path:
     return path
 
 
+FAILURE_REASON_CHARS = 120
+MAX_FAILURE_REASONS = 5
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
 def format_summary(s: dict, percentiles: list[float]) -> str:
     """The human-readable block vLLM prints after a run."""
     lines = ["{:=^50}".format(" Serving Benchmark Result ")]
     row = "{:<40} {:<10}".format
     rowf = "{:<40} {:<10.2f}".format
     lines += [row("Successful requests:", s["completed"]), row("Failed requests:", s["failed"])]
+    lines += failure_lines(s.get("errors") or [])
     if s.get("max_concurrency") is not None:
         lines.append(row("Maximum request concurrency:", s["max_concurrency"]))
     if s.get("request_rate") != "inf":
@@ -149,6 +157,33 @@ def format_summary(s: dict, percentiles: list[float]) -> str:
             lines.append(rowf(f"{key.upper()} {short} (ms):", s[f"{key}_{name}_ms"]))
     lines.append("=" * 50)
     return "\n".join(lines)
+
+
+def failure_reasons(errors: list[str], width: int = FAILURE_REASON_CHARS) -> list[tuple[str, int]]:
+    """The errors of failed requests grouped by cause, most frequent first. A cause is the
+    message's first line, its numbers masked (token counts, ids and milliseconds differ from one
+    request to the next; "HTTP 429" keeps its status), cut to ``width`` characters."""
+    counts: Counter[str] = Counter()
+    for error in errors:
+        if not error:
+            continue  # a successful request
+        head, _, rest = error.strip().splitlines()[0].partition(": ")
+        status = re.fullmatch(r"HTTP \d{3}", head)
+        text = f"{head}: {_NUMBER.sub('#', rest)}" if status else _NUMBER.sub("#", error.strip().splitlines()[0])
+        counts[text if len(text) <= width else text[:width - 3] + "..."] += 1
+    return counts.most_common()
+
+
+def failure_lines(errors: list[str], max_reasons: int = MAX_FAILURE_REASONS) -> list[str]:
+    """The summary's lines under "Failed requests:": each cause with its count, the rarest
+    causes folded into one line when there are more than ``max_reasons``."""
+    reasons = failure_reasons(errors)
+    lines = [f"  {count:>5} x {text}" for text, count in reasons[:max_reasons]]
+    rest = reasons[max_reasons:]
+    if rest:
+        lines.append(f"  {sum(c for _, c in rest):>5} x ... {len(rest)} other reasons (see \"errors\" "
+                     "in the result file)")
+    return lines
 
 
 def sweep_table(summaries: list[dict]) -> str:

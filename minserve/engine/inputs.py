@@ -8,6 +8,7 @@ the request that caused them (llm_engine.py), but refusing at the door is cheape
 
 from __future__ import annotations
 
+from minserve.engine.penalties import bad_words_token_ids
 from minserve.sampling_params import SamplingParams
 
 
@@ -41,6 +42,25 @@ def check_params(params: SamplingParams, vocab_size: int, eos_token_ids: list[in
         if len(banned) >= vocab_size:
             raise ValueError(f"stop_token_ids (with EOS unless ignore_eos) cover all {vocab_size} "
                              f"tokens, so min_tokens={params.min_tokens} leaves nothing to sample")
+
+
+def prepare_logits_controls(params: SamplingParams, vocab_size: int, tokenizer, grammar) -> None:
+    """Token ids of ``logit_bias`` / ``allowed_token_ids`` / ``bad_words`` in the vocabulary, bad
+    words tokenized (vLLM's ``_bad_words_token_ids``), the structured-output spec compiled (cached
+    by ``grammar``, a GrammarBackend): an invalid one is refused here, naming its field."""
+    for name in ("logit_bias", "allowed_token_ids"):
+        bad = [t for t in getattr(params, name) or () if t >= vocab_size]
+        if bad:
+            raise ValueError(f"{name} must hold token ids in [0, {vocab_size}), got {bad[:5]}")
+    if params.bad_words:
+        for w in params.bad_words:
+            check_text("bad_words", w)
+        params._bad_words_token_ids = bad_words_token_ids(params.bad_words, tokenizer)
+        bad = [t for ids in params._bad_words_token_ids for t in ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"bad_words tokenize to ids outside the model's vocabulary: {bad[:5]}")
+    if params.structured_outputs is not None:
+        grammar.compile(params.structured_outputs)
 
 
 def prompt_ids(prompt, tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:

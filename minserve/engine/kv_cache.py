@@ -5,6 +5,9 @@ request owns a *block table*, the list of block ids holding its tokens in order,
 not be contiguous and grows one block at a time: no request reserves memory for tokens it has not
 produced yet, which is what lets many requests share one cache (the PagedAttention idea).
 
+Parallel sampling (``n > 1``) forks a sequence: the new table shares the full blocks by reference
+count and gets its own copy of the partly filled last one (:meth:`KVCacheManager.fork`).
+
 Automatic prefix caching: once a block is full, it gets a key that chains the previous block's
 key, its own token ids and the *extra keys* (model fingerprint and the request's ``cache_salt``).
 A later request whose prompt starts with the same tokens, for the same model and salt, points its
@@ -294,6 +297,25 @@ class KVCacheManager:
         table.extend(cached_blocks)
         table.extend(self.pool.allocate(max(0, need)))
         return True
+
+    def fork(self, request_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Give ``child_id`` a block table holding the first ``num_tokens`` tokens of
+        ``request_id``'s (parallel sampling): the full blocks are shared (one more reference
+        each; neither sequence writes into a full block again), the partly filled last block is
+        a new block of the child's own. Returns the (source, destination) pair to copy into it
+        once the step has written the source ([] when the tokens end on a block boundary), or
+        None, with nothing changed, when the pool has no block for the copy."""
+        table = self.block_tables[request_id]
+        num_full, partial = divmod(num_tokens, self.block_size)
+        if partial and self.pool.num_free == 0:
+            return None
+        shared = table[:num_full]
+        self.pool.acquire(shared)
+        child = self.block_tables[child_id] = list(shared)
+        if not partial:
+            return []
+        child.extend(self.pool.allocate(1))
+        return [(table[num_full], child[-1])]
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Shrink the request's table to the blocks that ``num_tokens`` tokens need; the blocks

@@ -29,7 +29,8 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list (strings, token-id lists, or prompt dicts); outputs
-        come back in the order of the prompts."""
+        come back in the order of the prompts. With ``SamplingParams(n=k)`` each output holds k
+        completions, ``outputs[j].index == j`` (the prompt is computed once for all k)."""
         prompts = _as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompts))
         ids = []
@@ -70,7 +71,7 @@ class LLM:
             for out in engine.step():
                 if out.finished and out.request_id in wanted:
                     done[out.request_id] = out
-                    generated += len(out.outputs[0].token_ids)
+                    generated += sum(len(c.token_ids) for c in out.outputs)
                     bar.update(1)
             if use_tqdm and bar.format_dict["elapsed"] > 0:
                 bar.set_postfix_str(f"output {generated / bar.format_dict['elapsed']:.1f} tok/s", refresh=False)

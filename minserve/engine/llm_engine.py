@@ -9,6 +9,7 @@ stream them) are returned together with a :class:`StepStats` record.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import time
@@ -19,7 +20,8 @@ from minserve.engine.kv_cache import KVCacheManager, plan_kv_cache
 from minserve.engine.memory import device_memory_reader
 from minserve.engine.model_runner import ModelRunner
 from minserve.engine.output_processor import OutputProcessor
-from minserve.engine.inputs import check_cache_salt, check_params, prompt_ids
+from minserve.engine.parallel_sampling import ParentRequest, fan_out
+from minserve.engine.inputs import check_cache_salt, check_params, prepare_logits_controls, prompt_ids
 from minserve.engine.request import Request, RequestRecord, RequestStatus
 from minserve.engine.sampler import make_generator
 from minserve.engine.scheduler import Scheduler
@@ -30,6 +32,7 @@ from minserve.models.loader import LoadedModel, load_model
 from minserve.outputs import RequestOutput
 from minserve.sampling_params import SamplingParams
 from minserve.spec import make_speculation
+from minserve.structured import GrammarBackend
 
 log = logging.getLogger("minserve")
 
@@ -56,9 +59,10 @@ class LLMEngine:
         self.model_fingerprint = model_fingerprint(loaded, config.dtype, quant, kv_cache_dtype=config.kv_cache_dtype)
         self.kv = KVCacheManager(self.kv_spec, config.enable_prefix_caching, self.model_fingerprint)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
-        # Speculative decoding plugs in here: an object with ``propose(request) -> list[int]``,
-        # asked before each step for the next tokens of every decoding request (minserve/spec/).
-        self.proposer, self.spec_control = make_speculation(config.speculative_config)
+        # Speculative decoding plugs in here: an object with ``propose_batch(requests) ->
+        # [proposals]``, asked before each step for the next tokens of every decoding request, and
+        # ``forget(request_id)`` when one leaves or is preempted (minserve/spec/).
+        self.proposer, self.spec_control = make_speculation(config.speculative_config, self)
         if config.speculative_config is not None:
             # KV slots for the next step's proposals are reserved with each step's own.
             self.scheduler.num_lookahead_tokens = config.speculative_config.num_speculative_tokens
@@ -70,13 +74,22 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
+        # Structured outputs: grammars compiled for this tokenizer, cached (minserve/structured).
+        self.grammar = self.runner.grammar = GrammarBackend(self.tokenizer, loaded.config.vocab_size,
+                                                            self.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        # Requests with n > 1 while a sample of theirs is unfinished (engine/parallel_sampling.py);
+        # each sample is also in ``requests``, sample 0 under the request's own id.
+        self.parents: dict[str, ParentRequest] = {}
         # Bounded history for the frames: a long-running server's memory must stay flat.
         self._records: deque[RequestRecord] = deque(maxlen=config.max_request_records)
         self.step_stats: deque[StepStats] = deque(maxlen=config.max_step_records)
         self.num_steps = 0
         self.metrics = EngineMetrics(config.model, enabled=not config.disable_log_stats,
                                      max_model_len=self.max_model_len)
+        self.metrics.set_cache_config(config.block_size, self.kv.pool.num_blocks, config.kv_cache_dtype,
+                                      config.enable_prefix_caching, config.num_kv_blocks,
+                                      config.gpu_memory_utilization)
         self.load_time_s = time.perf_counter() - t0
         w = self.runner.weight_footprint()
         log.info("engine ready in %.1f s: %s (%s, %.1f MiB of weights resident), max_model_len %d",
@@ -114,7 +127,7 @@ class LLMEngine:
         ``prompt`` or ``prompt_token_ids`` (vLLM's TextPrompt / TokensPrompt). Every value that
         could fail a step is checked here (ValueError naming it; see engine/inputs.py)."""
         request_id = str(request_id)
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_cache_salt(cache_salt)
         if isinstance(priority, bool) or not isinstance(priority, int):
@@ -124,6 +137,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_params(params, self.model_config.vocab_size, self.eos_token_ids)
+        prepare_logits_controls(params, self.model_config.vocab_size, self.tokenizer, self.grammar)
         text, ids = prompt_ids(prompt, self.tokenizer, self.model_config.vocab_size)
         self._check_prompt_fits(len(ids))
         room = self.max_model_len - len(ids)
@@ -134,6 +148,10 @@ class LLMEngine:
         req = Request(request_id, text, ids, params, arrival, max_tokens, self.eos_token_ids,
                       generator=make_generator(params, self.runner.device), cache_salt=cache_salt,
                       priority=priority)
+        if params.n > 1:  # req becomes sample 0, the one queued; the others are forked off it
+            parent = fan_out(req, lambda p: make_generator(p, self.runner.device), self.requests)
+            self.parents[request_id] = parent
+            self.requests.update((s.request_id, s) for s in parent.samples[1:])  # ids taken now
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -148,12 +166,14 @@ class LLMEngine:
                              f"{self.max_model_len} to leave room for at least one output token")
 
     def abort_request(self, request_id: str | list[str]) -> None:
-        """Stop requests now; their KV blocks return to the pool immediately. Unknown ids are ignored."""
+        """Stop requests now; their KV blocks return to the pool immediately. Unknown ids are
+        ignored. The id of a request with n > 1 stops all its samples."""
         for rid in [request_id] if isinstance(request_id, str) else request_id:
-            req = self.requests.get(str(rid))
-            if req is not None and not req.finished:
-                self._retire(req, RequestStatus.FINISHED_ABORTED)
-                self.metrics.record_abort(req)
+            parent = self.parents.get(str(rid))
+            for req in parent.samples if parent is not None else [self.requests.get(str(rid))]:
+                if req is not None and not req.finished:
+                    self._retire(req, RequestStatus.FINISHED_ABORTED)
+                    self.metrics.record_abort(req)
         self.metrics.set_gauges(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage)
 
     def has_unfinished_requests(self) -> bool:
@@ -175,6 +195,8 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()
+        for req in sched.preempted:  # a draft model's KV for it goes too (recomputed later)
+            self._forget_proposals(req)
         outputs, finished = [], []
         for req, why in sched.failed:
             self._fail(req, why, outputs, finished)
@@ -192,6 +214,7 @@ class LLMEngine:
                 self._output(req, outputs)
             except Exception as e:  # building its output failed: it fails alone
                 failed.append((req, f"{type(e).__name__}: {e}"))
+        self._parent_outputs(update, outputs, failed)
         for req, why in failed:
             self._fail(req, why, outputs, finished)
         stats = self._record_step(t0, sched, self.scheduler.num_preemptions - preempted_before,
@@ -207,17 +230,24 @@ class LLMEngine:
         """Ask the proposer (speculative decoding) for the next tokens of decoding requests; the
         scheduler cuts them to what the step can hold (Scheduler._proposals). The adaptive rule
         (spec/adaptive.py) may skip a step's proposals where they have not been paying."""
-        decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+        # A grammar-constrained request gets no proposals: the draft does not know the grammar and
+        # the matcher advances on final tokens only (minserve/structured).
+        decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1
+                    and not r.params.uses_structured_outputs]
         propose = self.spec_control is None or self.spec_control.should_propose(len(self.scheduler.running))
-        for req in decoding:
-            req.spec_token_ids = list(self.proposer.propose(req)) if propose else []
+        self.runner.draft_probs.clear()  # a draft model's q of the last step is spent
+        batched = getattr(self.proposer, "propose_batch", None)  # a test's proposer may lack it
+        proposals = ([] if not (propose and decoding) else batched(decoding) if batched is not None
+                     else [self.proposer.propose(r) for r in decoding])
+        for req, spec in itertools.zip_longest(decoding, proposals, fillvalue=[]):
+            req.spec_token_ids = list(spec)
 
     def _execute(self, sched) -> ModelRunnerOutput:
         """Run the step. If it raises, find out whose fault it is: rerun each request alone
         (writing the same K/V into the same slots again is harmless, and seeded generators are
         rewound first, so a retried request samples exactly what it would have)."""
-        rngs = {s.request.request_id: s.request.generator.get_state()
-                for s in sched.scheduled if s.samples and s.request.generator is not None}
+        rngs = {r.request_id: r.generator.get_state() for s in sched.scheduled if s.samples
+                for r in (s.request, *s.forks) if r.generator is not None}
         try:
             return ModelRunnerOutput(self.runner.execute(sched, self.kv))
         except Exception as e:
@@ -228,8 +258,9 @@ class LLMEngine:
         out = ModelRunnerOutput()
         for s in sched.scheduled:
             rid = s.request.request_id
-            if rid in rngs:
-                s.request.generator.set_state(rngs[rid])
+            for r in (s.request, *s.forks):
+                if r.request_id in rngs:
+                    r.generator.set_state(rngs[r.request_id])
             try:
                 out.sampled.update(self.runner.execute(SchedulerOutput(scheduled=[s]), self.kv))
             except Exception as e:
@@ -247,14 +278,31 @@ class LLMEngine:
         return len(tokens), None
 
     def _output(self, req: Request, outputs: list) -> None:
+        if req.parent is not None:  # n > 1: one output per request, once all samples are booked
+            req.parent.changed.append(req)
+            return
         out = self.output_processor.make_output(req)
         if out is not None:
             outputs.append(out)
 
+    def _parent_outputs(self, update, outputs: list, failed: list) -> None:
+        """The step's output of each n > 1 request whose samples got tokens (see _output)."""
+        parents = {r.parent.request_id: r.parent for r, _ in update.appended if r.parent is not None}
+        for parent in parents.values():
+            blamed = parent.changed[0] if parent.changed else parent.samples[0]
+            try:
+                out = self.output_processor.parent_output(parent)
+            except Exception as e:  # building it failed: the request fails (its samples with it)
+                failed.append((blamed, f"{type(e).__name__}: {e}"))
+                continue
+            if out is not None:
+                outputs.append(out)
+
     def _fail(self, req: Request, why: str, outputs: list, finished: list) -> None:
         log.warning("request %s failed: %s", req.request_id, why)
         req.error = why
-        self.last_step_failures[req.request_id] = why
+        rid = req.request_id if req.parent is None else req.parent.request_id
+        self.last_step_failures[rid] = why
         if req.finished:  # it failed while building its last output: already retired
             req.status = RequestStatus.FINISHED_ERROR
             if self._records and self._records[-1].request_id == req.request_id:
@@ -263,16 +311,33 @@ class LLMEngine:
             self._retire(req, RequestStatus.FINISHED_ERROR)
         if req not in finished:
             finished.append(req)
-        outputs[:] = [o for o in outputs if o.request_id != req.request_id]
+        if req.parent is not None:
+            self._abort_siblings(req, why, finished)
+        outputs[:] = [o for o in outputs if o.request_id != rid]
         outputs.append(self.output_processor.error_output(req))
+
+    def _abort_siblings(self, req: Request, why: str, finished: list) -> None:
+        """A sample failed: its request fails with it (the n samples are one answer); the other
+        samples still running or waiting end aborted."""
+        parent = req.parent
+        parent.error = parent.error or why
+        for sample in parent.samples:
+            if not sample.finished:
+                self._retire(sample, RequestStatus.FINISHED_ABORTED)
+                finished.append(sample)
 
     def _retire(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish(req, status)
-        if hasattr(self.proposer, "forget"):
-            self.proposer.forget(req.request_id)
+        self._forget_proposals(req)
         self.requests.pop(req.request_id, None)
+        if req.parent is not None and req.parent.finished:
+            self.parents.pop(req.parent.request_id, None)
         if self._records.maxlen:
             self._records.append(RequestRecord.of(req))
+
+    def _forget_proposals(self, req: Request) -> None:
+        if hasattr(self.proposer, "forget"):
+            self.proposer.forget(req.request_id)
 
     def _record_step(self, t0: float, sched, preemptions: int, accepted: int = 0) -> StepStats:
         now = time.perf_counter()
@@ -312,8 +377,12 @@ class LLMEngine:
         return steps_frame(self.step_stats)
 
     def snapshot(self) -> dict[str, float]:
-        """Current gauges and counter totals by vLLM metric name."""
-        return self.metrics.snapshot()
+        """Current gauges and counter totals by vLLM metric name (a labelled counter: its total
+        under the bare name, and one entry per label value, e.g. ``{position="0"}``)."""
+        out = self.metrics.snapshot()
+        if out:
+            out.update(self.metrics.spec.by_position())
+        return out
 
 
 def model_fingerprint(loaded: LoadedModel, dtype: str, quantization: str = "none",

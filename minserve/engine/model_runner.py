@@ -30,6 +30,7 @@ from minserve.attention.fused_cpu import FusedCpuBackend
 from minserve.config import EngineConfig
 from minserve.engine.kv_cache import KVCacheManager, KVCacheSpec, LayerKV, allocate_kv_tensors, allocate_layer_kv
 from minserve.engine.memory import DeviceMemory, DeviceMemoryReader, measure_device_memory, snapshot
+from minserve.engine.penalties import needs_output_ids
 from minserve.engine.sampler import Sampler, SamplingBatch
 from minserve.engine.step_io import SampledToken, SchedulerOutput
 from minserve.engine.threads import CpuLoadHint, ThreadController, adaptive_threads_enabled
@@ -42,7 +43,7 @@ from minserve.plan.budget import kv_budget_within
 from minserve.quant.schemes import apply_quantization
 from minserve.quant.sizes import WeightFootprint, model_footprint
 from minserve.sampling_params import SamplingParams
-from minserve.spec.verify import accept_one_hot
+from minserve.spec.verify import accept_one_hot, verify_with_draft
 
 log = logging.getLogger("minserve")
 
@@ -86,6 +87,13 @@ class ModelRunner:
         self.block_size = config.block_size
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
+        # Structured outputs: the engine's GrammarBackend (minserve/structured), which fills the
+        # allowed-token bitmask of constrained rows; None in a runner used without an engine.
+        self.grammar = None
+        # A draft-model proposer's distributions for this step's proposals, by request id
+        # ([proposals, vocab]; spec/draft.py): sampled requests verify against them by rejection
+        # sampling. Requests without an entry verify their proposals as one-hot (spec/verify.py).
+        self.draft_probs: dict[str, torch.Tensor] = {}
         # CPU only: a GPU step's host threads are not where its time goes.
         adaptive = adaptive_threads_enabled(config) and self.device.type == "cpu"
         self.threads = ThreadController(torch.get_num_threads(), enabled=adaptive,
@@ -177,6 +185,9 @@ class ModelRunner:
                 self._record_prompt_logprobs(spans, h)
             else:
                 logits = self.model(ids, pos, self.kv_caches, meta, rows)
+            copies = [c for s in sched.scheduled for c in s.block_copies]
+            if copies:  # parallel sampling: forked samples' own copy of the last prompt block
+                self.copy_blocks(copies)
             sampled = self._sample(sched, logits)
             self.threads.record(key, threads, self.threads.clock() - t0)
         finally:
@@ -198,10 +209,19 @@ class ModelRunner:
         if not sampling:
             return {}
         reqs = [s.request for s in sampling for _ in range(s.num_logits_rows)]
+        banned = [_banned_tokens(s.request, i) for s in sampling for i in range(s.num_logits_rows)]
+        # Parallel sampling: samples forked off a request in this step each draw their first
+        # token from its last row (rows appended after the others, which keep their indices).
+        forks = [child for s in sampling for child in s.forks]
+        if forks:
+            ends = itertools.accumulate(s.num_logits_rows for s in sampling)
+            logits = torch.cat([logits, logits[[end - 1 for s, end in zip(sampling, ends) for _ in s.forks]]])
+            reqs += forks
+            banned += [_banned_tokens(child) for child in forks]
+        before = [s.spec_token_ids[:i] for s in sampling for i in range(s.num_logits_rows)] + [[]] * len(forks)
         out = self.sampler(logits, SamplingBatch(
             params=[r.params for r in reqs], generators=[r.generator for r in reqs],
-            banned_token_ids=[_banned_tokens(s.request, i) for s in sampling
-                              for i in range(s.num_logits_rows)]))
+            banned_token_ids=banned, **_logits_controls(reqs, before, self.grammar)))
         # Rows that asked for no logprobs get None (the sampler gives them [] when others asked).
         drawn = [SampledToken(out.token_ids[i], out.logprobs[i] or None if out.logprobs is not None else None,
                               out.ranks[i] if out.ranks is not None else None) for i in range(len(reqs))]
@@ -209,9 +229,30 @@ class ModelRunner:
         for s in sampling:
             mine = drawn[row:row + s.num_logits_rows]
             row += s.num_logits_rows
+            req = s.request
+            q = self.draft_probs.get(req.request_id) if s.spec_token_ids else None
+            if q is not None and not req.params.is_greedy:
+                # The target distribution includes the request's penalties and biases.
+                target = out.controlled_logits if out.controlled_logits is not None else logits
+                result[req.request_id] = verify_with_draft(
+                    target[row - s.num_logits_rows:row], req.params,
+                    [_banned_tokens(req, i) for i in range(s.num_logits_rows)], s.spec_token_ids, q,
+                    req.generator if req.generator is not None else self.sampler.default_generator,
+                    raw=logits[row - s.num_logits_rows:row])
+                continue
             keep = accept_one_hot(s.spec_token_ids, [t.token_id for t in mine]) if s.spec_token_ids else 1
-            result[s.request.request_id] = mine[:keep]
+            result[req.request_id] = mine[:keep]
+        for child, token in zip(forks, drawn[row:]):
+            result[child.request_id] = [token]
         return result
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks, (source, destination), in every layer and every tensor of its
+        layout: K and V, and int8's scales too (every tensor is indexed by block first)."""
+        src, dst = (torch.tensor(ids, dtype=torch.long, device=self.device) for ids in zip(*pairs))
+        for layer in self.kv_caches:
+            for t in layer:
+                t.index_copy_(0, dst, t.index_select(0, src))
 
     def _record_prompt_logprobs(self, spans: list[tuple], h: torch.Tensor) -> None:
         """Append the prompt logprobs of each span (see _prompt_logprob_spans) to its request,
@@ -326,6 +367,26 @@ def _fused_decoder(model, kv_caches, config: EngineConfig) -> FusedDecoder | Non
 def _batch_bucket(batch: int) -> int:
     """Batch sizes whose steps cost about the same: exact up to 4, then powers of two."""
     return batch if batch <= 4 else 1 << (batch - 1).bit_length()
+
+
+def _logits_controls(reqs: list, proposed_before: list[list[int]], grammar) -> dict:
+    """SamplingBatch's fields for penalties, bad words and grammars, filled only for the rows that
+    use them (a plain batch builds nothing). ``proposed_before``: per row, the proposals a verify
+    step puts before it, which count as output for that row's penalties."""
+    fields = {}
+    if any(needs_output_ids(r.params) for r in reqs):
+        fields["output_token_ids"] = [r.output_token_ids + ahead if needs_output_ids(r.params) else None
+                                      for r, ahead in zip(reqs, proposed_before)]
+        fields["prompt_token_ids"] = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else None
+                                      for r in reqs]
+    rows = [i for i, r in enumerate(reqs) if r.params.structured_outputs is not None]
+    if rows:
+        # The matcher only knows final tokens; proposals are never made for such requests.
+        if any(proposed_before[i] for i in rows):
+            raise ValueError("structured_outputs requests take no speculative proposals")
+        fields["grammar_rows"] = rows
+        fields["grammar_bitmask"] = grammar.fill_bitmask([reqs[i] for i in rows])
+    return fields
 
 
 def _banned_tokens(req, ahead: int = 0) -> list[int]:

@@ -8,8 +8,10 @@ the model's context ``max_model_len`` full.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
+from minserve.engine.parallel_sampling import ParentRequest
 from minserve.engine.request import Request, RequestStatus
 from minserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from minserve.sampling_params import RequestOutputKind
@@ -37,6 +39,10 @@ class OutputProcessor:
         n_out = len(req.output_token_ids)
         prev_len = len(req.output_text)
         self._detokenize(req, final=False)
+        # Structured outputs: the matcher moves on final tokens only (this one is); the request
+        # ends when the grammar has terminated (it accepted EOS), even under ignore_eos.
+        state = req.structured
+        grammar_done = state is not None and state.request_id == req.request_id and state.advance(req.output_token_ids)
         if n_out >= p.min_tokens:
             if token_id in p.stop_token_ids:
                 req.stop_reason = token_id
@@ -45,6 +51,8 @@ class OutputProcessor:
                 return self._finish(req, RequestStatus.FINISHED_STOPPED)
             if p.stop and self._cut_at_stop_string(req, prev_len):
                 return RequestStatus.FINISHED_STOPPED
+        if grammar_done:
+            return self._finish(req, RequestStatus.FINISHED_STOPPED)
         if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return self._finish(req, RequestStatus.FINISHED_LENGTH)
         return None
@@ -81,26 +89,51 @@ class OutputProcessor:
 
     def make_output(self, req: Request) -> RequestOutput | None:
         """The RequestOutput for this step, honouring the request's output kind."""
-        kind = req.params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not req.finished:
+        if req.params.output_kind is RequestOutputKind.FINAL_ONLY and not req.finished:
             return None
+        prompt_logprobs = self._prompt_logprobs(req)
+        if req.params.output_kind is RequestOutputKind.DELTA and req.sent_tokens_len:
+            prompt_logprobs = None  # as vLLM: a stream carries the prompt logprobs once, first
+        completion = self.completion_output(req)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
+                             req.finished, self.metrics(req), prompt_logprobs=prompt_logprobs,
+                             num_cached_tokens=req.num_cached_tokens, error=req.error)
+
+    def completion_output(self, req: Request) -> CompletionOutput:
+        """One sequence's CompletionOutput (``index``: its sample index), everything so far or,
+        for DELTA, what is new since the last one (then marked as sent)."""
         text, token_ids = req.output_text, req.output_token_ids
         asked = req.params.logprobs is not None
         logprobs = req.output_logprobs if asked else None
-        prompt_logprobs = self._prompt_logprobs(req)
-        if kind is RequestOutputKind.DELTA:
-            # As vLLM: a stream carries the prompt logprobs once, in its first output.
-            prompt_logprobs = prompt_logprobs if req.sent_tokens_len == 0 else None
+        if req.params.output_kind is RequestOutputKind.DELTA:
             # output_text never ends in a partial character (the detokenizer holds those back),
             # so every delta is printable as it is.
             text, token_ids = text[req.sent_text_len:], token_ids[req.sent_tokens_len:]
             logprobs = logprobs[req.sent_tokens_len:] if asked else None
             req.sent_text_len, req.sent_tokens_len = len(req.output_text), len(req.output_token_ids)
-        completion = CompletionOutput(0, text, list(token_ids), req.cumulative_logprob if asked else None,
-                                      list(logprobs) if asked else None, req.finish_reason, req.stop_reason)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                             req.finished, self.metrics(req), prompt_logprobs=prompt_logprobs,
-                             num_cached_tokens=req.num_cached_tokens, error=req.error)
+        return CompletionOutput(req.sample_index, text, list(token_ids),
+                                req.cumulative_logprob if asked else None,
+                                list(logprobs) if asked else None, req.finish_reason, req.stop_reason)
+
+    def parent_output(self, parent: ParentRequest, every_sample: bool = False) -> RequestOutput | None:
+        """The step's RequestOutput of a request with ``n > 1`` (vLLM's shapes): FINAL_ONLY, one
+        output with all n samples by index once all finished; streaming, the samples that got
+        tokens this step (``parent.changed``), each known by its ``index``. ``finished`` is True
+        only when every sample is. ``every_sample``: all of them (a failed request's last one)."""
+        changed, parent.changed = parent.changed, []
+        kind = parent.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not parent.finished:
+            return None
+        samples = parent.samples if every_sample or kind is RequestOutputKind.FINAL_ONLY else changed
+        first = parent.samples[0]  # the sample that computed the prompt
+        prompt_logprobs = self._prompt_logprobs(first)
+        if kind is RequestOutputKind.DELTA and parent.num_outputs_sent:
+            prompt_logprobs = None
+        parent.num_outputs_sent += 1
+        completions = [self.completion_output(s) for s in sorted(samples, key=lambda s: s.sample_index)]
+        return RequestOutput(parent.request_id, first.prompt, first.prompt_token_ids, completions,
+                             parent.finished, self.parent_metrics(parent), prompt_logprobs=prompt_logprobs,
+                             num_cached_tokens=first.num_cached_tokens, error=parent.error)
 
     def _prompt_logprobs(self, req: Request) -> list | None:
         """vLLM's ``RequestOutput.prompt_logprobs``: None first, then a dict per prompt token.
@@ -117,14 +150,18 @@ class OutputProcessor:
 
     def error_output(self, req: Request) -> RequestOutput:
         """The last output of a request that failed: what it produced so far, finish_reason
-        "error" and the reason; built without detokenizing again (that may be what failed)."""
+        "error" and the reason; built without detokenizing again (that may be what failed).
+        For a sample of an ``n > 1`` request: its parent's, with every sample."""
         try:
+            if req.parent is not None:
+                return self.parent_output(req.parent, every_sample=True)
             return self.make_output(req)
         except Exception:
-            completion = CompletionOutput(0, "", [], None, None, req.finish_reason, None)
-            return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], True,
-                                 self.metrics(req), num_cached_tokens=req.num_cached_tokens,
-                                 error=req.error)
+            head = req if req.parent is None else req.parent.samples[0]  # the request's id, prompt
+            error = req.error if req.parent is None else req.parent.error
+            completion = CompletionOutput(req.sample_index, "", [], None, None, req.finish_reason, None)
+            return RequestOutput(head.request_id, head.prompt, head.prompt_token_ids, [completion], True,
+                                 self.metrics(head), num_cached_tokens=head.num_cached_tokens, error=error)
 
     def _logprob_dict(self, entries: list[tuple[int, float]], sampled_rank: int | None) -> dict[int, Logprob]:
         """vLLM's layout: the sampled token first, then the top-N by rank (it may repeat)."""
@@ -133,6 +170,21 @@ class OutputProcessor:
         for rank, (tok, tok_lp) in enumerate(entries[1:], start=1):
             d.setdefault(tok, Logprob(tok_lp, rank, self.tokenizer.decode([tok])))
         return d
+
+    def parent_metrics(self, parent: ParentRequest) -> RequestMetrics:
+        """A request's metrics over its samples: its arrival and admission (sample 0's), its
+        first token and last token over all, finished when the last one is; generated tokens
+        and preemptions summed."""
+        each = [self.metrics(s) for s in parent.samples]
+        first_tokens = [m.first_token_time for m in each if m.first_token_time is not None]
+        last_tokens = [m.last_token_time for m in each if m.last_token_time is not None]
+        return dataclasses.replace(
+            each[0], first_token_time=min(first_tokens, default=None),
+            last_token_time=max(last_tokens, default=None),
+            finished_time=max((m.finished_time for m in each if m.finished_time is not None), default=None)
+            if parent.finished else None,
+            num_generation_tokens=sum(m.num_generation_tokens for m in each),
+            num_preemptions=sum(m.num_preemptions for m in each))
 
     def metrics(self, req: Request) -> RequestMetrics:
         t = req.timeline

@@ -15,10 +15,14 @@ from __future__ import annotations
 import enum
 from array import array
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from minserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from minserve.engine.parallel_sampling import ParentRequest
 
 
 class RequestStatus(enum.Enum):
@@ -110,6 +114,15 @@ class Request(_Finishable):
     prefill_end: int = 0
     num_spec_proposed: int = 0            # proposals verified for it, and how many were accepted
     num_spec_accepted: int = 0
+    # Parallel sampling (n > 1; engine/parallel_sampling.py): this sequence is sample
+    # ``sample_index`` of ``parent``. Sample 0 computes the prompt; ``unforked_samples`` are the
+    # others, forked off it (sharing its prompt's KV blocks) in the step its prompt is done.
+    sample_index: int = 0
+    parent: ParentRequest | None = None
+    unforked_samples: list[Request] = field(default_factory=list)
+    # Structured outputs: the request's grammar matcher (minserve/structured), made on its first
+    # sampling step and advanced on its final tokens; None for unconstrained requests.
+    structured: object | None = None
     timeline: RequestTimeline = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:

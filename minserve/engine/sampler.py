@@ -5,9 +5,12 @@ operations follows vLLM V1:
 
 1. logprobs (when asked) come from the *raw* logits, before any banning, temperature or truncation,
    so they describe what the model thinks, not what the sampler was allowed to pick;
-2. banned tokens (``min_tokens``: EOS and stop ids until enough tokens exist) are set to -inf;
-3. greedy rows take the argmax;
-4. random rows: divide by temperature, drop tokens below min-p, keep top-k, then top-p, then
+2. the logits controls (engine/penalties.py: allowed ids, bad words, logit bias, penalties, the
+   structured-output grammar mask) change a copy of the logits, for the rows that use them; a
+   batch where no row does pays one check per row and no copy;
+3. banned tokens (``min_tokens``: EOS and stop ids until enough tokens exist) are set to -inf;
+4. greedy rows take the argmax;
+5. random rows: divide by temperature, drop tokens below min-p, keep top-k, then top-p, then
    draw (vLLM V1's order: min-p first, so top-p measures its mass over what min-p kept).
 
 The draw uses the exponential race: with ``q_i ~ Exp(1)`` independent, ``argmax_i p_i / q_i`` is
@@ -22,10 +25,11 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from minserve.engine.penalties import apply_logits_controls
 from minserve.sampling_params import SamplingParams
 
 # Top-p rows without top-k look for their nucleus among this many best tokens first (exact: rows
@@ -43,6 +47,14 @@ class SamplingBatch:
     generators: list[torch.Generator | None]
     # Per row: token ids forbidden this step (EOS / stop ids while min_tokens is not reached).
     banned_token_ids: list[list[int]]
+    # Per row, for the penalties and bad words: the tokens generated before this row, and (for a
+    # repetition penalty) the prompt. None for the whole batch, or a row, that needs none.
+    output_token_ids: list[list[int] | None] | None = None
+    prompt_token_ids: list[list[int] | None] | None = None
+    # Rows constrained by a grammar, and their packed allowed-token bitmask ([len(rows), ceil(V/32)]
+    # int32, bit b of word w = token 32w + b; see minserve/structured).
+    grammar_rows: list[int] = field(default_factory=list)
+    grammar_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -55,6 +67,9 @@ class SamplerOutput:
     # Rank (1 = best) of each row's sampled token in the raw distribution; None when no row asked
     # for logprobs (computed for every row otherwise, it costs one comparison).
     ranks: list[int] | None
+    # The logits after the controls (penalties, biases, bans, grammar mask) when a row used one,
+    # else None (the input is what was sampled from): the target distribution for verification.
+    controlled_logits: torch.Tensor | None = None
 
 
 def make_generator(params: SamplingParams,
@@ -84,25 +99,29 @@ class Sampler:
         _check_batch(logits, batch)
         raw = logits.float()  # no copy when already fp32; never modified below
         params, banned = batch.params, batch.banned_token_ids
+        # A copy when some row uses a control (raw stays the model's: logprobs come from it).
+        work = apply_logits_controls(raw, params, batch.output_token_ids, batch.prompt_token_ids,
+                                     batch.grammar_rows, batch.grammar_bitmask, banned)
         greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
 
         if not random_rows:  # common fast path (temperature=0 everywhere): no softmax, no RNG
-            tokens = _greedy(raw, banned)
+            tokens = _greedy(work, banned)
         else:
             tokens = torch.empty(raw.shape[0], dtype=torch.long, device=raw.device)
             if greedy_rows:
-                tokens[greedy_rows] = _greedy(raw[greedy_rows], [banned[i] for i in greedy_rows])
-            sub = raw[random_rows]  # advanced indexing copies: safe to modify in place
+                tokens[greedy_rows] = _greedy(work[greedy_rows], [banned[i] for i in greedy_rows])
+            sub = work[random_rows]  # advanced indexing copies: safe to modify in place
             _ban_(sub, [banned[i] for i in random_rows])
             tokens[random_rows] = self._sample(
                 sub, [params[i] for i in random_rows], [batch.generators[i] for i in random_rows])
 
         token_list = tokens.tolist()
+        controlled = work if work is not raw else None
         if all(p.logprobs is None for p in params):
-            return SamplerOutput(token_ids=token_list, logprobs=None, ranks=None)
+            return SamplerOutput(token_ids=token_list, logprobs=None, ranks=None, controlled_logits=controlled)
         logprobs, ranks = _gather_logprobs(raw, tokens, params)
-        return SamplerOutput(token_ids=token_list, logprobs=logprobs, ranks=ranks)
+        return SamplerOutput(token_ids=token_list, logprobs=logprobs, ranks=ranks, controlled_logits=controlled)
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -141,7 +160,9 @@ def _check_batch(logits: torch.Tensor, batch: SamplingBatch) -> None:
         raise ValueError(f"logits must have shape [batch, vocab] with vocab >= 1, "
                          f"got {tuple(logits.shape)}")
     rows, vocab = logits.shape
-    for name in ("params", "generators", "banned_token_ids"):
+    for name in ("params", "generators", "banned_token_ids", "output_token_ids", "prompt_token_ids"):
+        if getattr(batch, name) is None:
+            continue
         n = len(getattr(batch, name))
         if n != rows:
             raise ValueError(f"batch.{name} must have one entry per logits row ({rows}), got {n}")
@@ -152,6 +173,9 @@ def _check_batch(logits: torch.Tensor, batch: SamplingBatch) -> None:
         if len(set(banned)) == vocab:
             raise ValueError(f"banned_token_ids[{i}] must leave at least one of the {vocab} "
                              f"tokens allowed, got all of them banned")
+    if batch.grammar_rows and (batch.grammar_bitmask is None
+                               or batch.grammar_bitmask.shape[0] != len(batch.grammar_rows)):
+        raise ValueError("batch.grammar_bitmask must have one packed row per entry of batch.grammar_rows")
 
 
 def _ban_(logits: torch.Tensor, banned: list[list[int]]) -> None:

@@ -12,6 +12,8 @@ Order inside a step, and why:
 3. Waiting requests, oldest first (preempted ones at the front), while budget, seats and blocks last.
    On admission the prefix cache is consulted: cached blocks join the request's block table and
    only the tokens after them are computed.
+4. Parallel sampling (n > 1): a request whose prompt ends in this step forks its other samples,
+   which share its prompt blocks (``_fork_samples``; engine/parallel_sampling.py).
 
 When the KV pool runs dry the newest running request is preempted: its blocks go back to the pool
 and it returns to the front of the queue to be recomputed later (prompt plus what it has generated
@@ -137,7 +139,29 @@ class Scheduler:
             budget = self._schedule_running(later, out, budget)
             if not out.preempted:
                 self._admit_waiting(out, budget)
+        self._fork_samples(out)
         return out
+
+    def _fork_samples(self, out: SchedulerOutput) -> None:
+        """Parallel sampling: fork the waiting samples off each request whose prompt ends in this
+        step (engine/parallel_sampling.py). Done last, when no preemption can unschedule the
+        request any more; seats and copy blocks go to the samples in index order while they last
+        (the others draw their first token all the same, then wait in the queue)."""
+        seats = self.config.max_num_seqs - len(self.running)
+        for s in out.scheduled:
+            req = s.request
+            if not (s.samples and req.unforked_samples):
+                continue
+            # A sample aborted on its own before the fork stays out.
+            s.forks = [child for child in req.unforked_samples if not child.finished]
+            req.unforked_samples = []
+            for child in s.forks:
+                copies = self.kv.fork(req.request_id, child.request_id, req.num_tokens) if seats else None
+                if copies is None:
+                    break
+                s.block_copies += copies
+                s.num_seated_forks += 1
+                seats -= 1
 
     def _schedule_running(self, reqs: list[Request], out: SchedulerOutput, budget: int) -> int:
         for req in reqs:
@@ -297,6 +321,8 @@ class Scheduler:
                 continue
             try:
                 self._book(s, out.sampled.get(req.request_id, []), append, update)
+                if s.forks:
+                    self._book_forks(s, out.sampled, append, update)
             except Exception as e:  # its own data or output: it fails, the others go on
                 update.failed.append((req, f"{type(e).__name__}: {e}"))
         return update
@@ -322,6 +348,28 @@ class Scheduler:
         self.kv.cache_full_blocks(req)
         if status is not None:
             update.finished.append((req, status))
+
+    def _book_forks(self, s: ScheduledRequest, sampled: dict, append: AppendTokens,
+                    update: StepUpdate) -> None:
+        """Start the samples forked off ``s.request`` in this step, each with the token it drew
+        from the shared logits: seated ones run on with the prompt's K/V in place (shared blocks
+        and their copy), the others wait at the front of the queue to recompute it."""
+        waiting = []
+        for i, child in enumerate(s.forks):
+            seated = i < s.num_seated_forks
+            child.timeline.scheduled_s.append(s.request.timeline.scheduled_s[0])
+            child.status = RequestStatus.RUNNING if seated else RequestStatus.PREEMPTED
+            if seated:
+                child.num_computed_tokens = child.prefill_end = child.num_prompt_tokens
+                self.running.append(child)
+            kept, status = append(child, sampled[child.request_id])
+            update.appended.append((child, kept))
+            if status is not None:
+                update.finished.append((child, status))
+            elif not seated:
+                waiting.append(child)
+        for child in reversed(waiting):  # appendleft: keep index order at the front
+            self.waiting.appendleft(child)
 
     def rollback(self, req: Request, num_tokens: int) -> None:
         """Forget the last ``num_tokens`` computed tokens of a request (rejected proposals): its

@@ -29,6 +29,14 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)  # proposals verified in this step
     samples: bool = False   # reaches the end of its known tokens, so tokens are sampled
     is_prefill: bool = False
+    # Parallel sampling (engine/parallel_sampling.py): the request's other samples, forked off it
+    # in this step (its prompt ends here), each drawing its first token from this request's last
+    # logits row. The first ``num_seated_forks`` got a seat and a block table sharing its prompt
+    # blocks; ``block_copies`` are (source, destination) KV blocks the runner copies after the
+    # forward pass (the partly filled last prompt block, once per seated fork).
+    forks: list[Request] = field(default_factory=list)
+    num_seated_forks: int = 0
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # Fixed at scheduling time: after the step the request has grown by the sampled tokens.

@@ -23,7 +23,9 @@ observed (all from the request's timeline, perf_counter seconds):
 
 Token counters: ``vllm:prompt_tokens`` grows by a request's whole prompt length once, when its
 first token appears (like vLLM, prefix-cache hits are included; chunks and recomputes are not
-counted twice); ``vllm:generation_tokens`` grows by the tokens each step appended. The
+counted twice; a request with n > 1 counts it once, for sample 0); ``vllm:generation_tokens``
+grows by the tokens each step appended, every sample's. Per-request series (TTFT, the latency
+histograms, ``vllm:request_success``) take one observation per sample, as vLLM's children do. The
 per-request token histograms and the request-level latencies are observed when a request
 finishes, whatever the reason (an aborted request that never got a token observes E2E and, if it
 was scheduled, queue time; the phases it never reached are skipped).
@@ -36,7 +38,8 @@ server keep meaning the same thing here.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry,
+                               Counter, Gauge, Histogram, generate_latest)
 
 from minserve.metrics.latency import step_itl_s, timeline_latencies, ttft_s
 from minserve.metrics.spec import SpecDecodeMetrics
@@ -53,6 +56,10 @@ REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
 FINISHED_REASONS = ("stop", "length", "abort", "error")
+REQUEST_N_BUCKETS = [1, 2, 5, 10, 20]  # vLLM's for vllm:request_params_n
+# The process-wide collectors prometheus_client puts on its default registry (process_* from
+# /proc on Linux, python_info, python_gc_*): vLLM serves them, and dashboards chart memory and CPU.
+PROCESS_COLLECTORS = (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR)
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -138,6 +145,32 @@ class EngineMetrics:
         self._iteration_tokens = histogram("vllm:iteration_tokens_total",
                                            "Histogram of number of tokens per engine_step.",
                                            ITERATION_TOKENS_BUCKETS)
+        self._inference = histogram("vllm:request_inference_time_seconds",
+                                    "Histogram of time spent in RUNNING phase for request.",
+                                    REQUEST_LATENCY_BUCKETS)
+        self._params_n = histogram("vllm:request_params_n",
+                                   "Histogram of the n request parameter.", REQUEST_N_BUCKETS)
+        self._params_max_tokens = histogram("vllm:request_params_max_tokens",
+                                            "Histogram of the max_tokens request parameter.", tok_buckets)
+        for collector in PROCESS_COLLECTORS:  # shared, read-only collectors: safe in many registries
+            reg.register(collector)
+
+    def set_cache_config(self, block_size: int, num_blocks: int, cache_dtype: str,
+                         enable_prefix_caching: bool, num_blocks_override: int | None,
+                         gpu_memory_utilization: float) -> None:
+        """``vllm:cache_config_info``: value 1, the KV cache's configuration in its labels (vLLM's
+        names, as strings). ``num_gpu_blocks`` is the size of the KV pool wherever it lives (a CPU
+        engine's too), as a dashboard computes cache capacity from it and ``block_size``."""
+        if not self.enabled:
+            return
+        labels = {"block_size": str(block_size), "cache_dtype": cache_dtype,
+                  "enable_prefix_caching": str(enable_prefix_caching),
+                  "gpu_memory_utilization": str(gpu_memory_utilization),
+                  "num_cpu_blocks": "None", "num_gpu_blocks": str(num_blocks),
+                  "num_gpu_blocks_override": str(num_blocks_override),
+                  "prefix_caching_hash_algo": "sha256", "engine": "0"}
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(labels),
+              registry=self.registry).labels(**labels).set(1)
 
     # ---- recording (engine hot path) -----------------------------------------------------------
 
@@ -174,7 +207,8 @@ class EngineMetrics:
                 # Its first tokens: TTFT, and the prompt is counted now, once. A recompute after
                 # preemption keeps the tokens already out, so it never lands here twice.
                 self._ttft.observe(ttft_s(req.timeline.arrival_s, times[0]))
-                self._prompt_tokens.inc(len(req.prompt_token_ids))
+                if getattr(req, "sample_index", 0) == 0:  # n > 1: the prompt once per request
+                    self._prompt_tokens.inc(len(req.prompt_token_ids))
         for req in finished:
             self._record_finished(req, req.status.value)
 
@@ -203,6 +237,12 @@ class EngineMetrics:
                 hist.observe(value)
         self._req_prompt.observe(len(req.prompt_token_ids))
         self._req_generation.observe(len(req.output_token_ids))
+        if lat.prefill_s is not None and lat.decode_s is not None:
+            self._inference.observe(lat.prefill_s + lat.decode_s)  # first scheduled -> last token
+        if getattr(req, "sample_index", 0) == 0:  # once per client request, not per sample of n
+            parent = getattr(req, "parent", None)  # parallel sampling: each sample has params.n=1
+            self._params_n.observe(parent.n if parent is not None else req.params.n)
+            self._params_max_tokens.observe(req.max_tokens)  # as resolved for this prompt (vLLM's too)
 
     # ---- reading ---------------------------------------------------------------------------------
 

@@ -4,10 +4,12 @@ One request, end to end: the body's size is bounded (limits.py), it is validated
 and turned into token ids and SamplingParams (serving.py, off the event loop: tokenizing a long
 prompt takes long enough to stall every other connection); admission classifies it and admits
 or sheds it (admission.py); the engine thread runs it (async_engine.py) and its outputs come back
-on an asyncio queue; the reply is one JSON body or a stream of SSE chunks ending with
-``data: [DONE]``. Whatever way the request ends (finished, failed, deadline passed, client gone,
-server stopping), ``_Flight.close`` aborts it in the engine if it is still there and gives its
-admission slot back, exactly once.
+on an asyncio queue; the reply (responses.py) is one JSON body or a stream of SSE chunks ending
+with ``data: [DONE]``. A completions request with a list of prompts is one engine request per
+prompt, each with its own admission ticket (admitted all together or not at all), answered as one
+response. Whatever way the request ends (finished, failed, deadline passed, client gone, server
+stopping), ``_Flight.close`` aborts what is still in the engine and gives the admission slots
+back, exactly once.
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ from minserve.server.auth import PRINCIPAL_SCOPE_KEY, Auth, AuthMiddleware, effe
 from minserve.server.limits import BodyLimitMiddleware, RequestLimits
 from minserve.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                       error_body, error_response, validation_error_to_api)
-from minserve.server.serving import Prepared, StreamFormatter, full_response, prepare, sse
+from minserve.server.endpoints import add_routes, get_and_head, model_card
+from minserve.server.responses import StreamFormatter, full_response, sse
+from minserve.server.serving import Prepared, prepare
+from minserve.server.tool_parsers.plan import ToolConfig
 
 log = logging.getLogger("minserve.server")
 POLL_S = 0.5  # how often a waiting handler checks for a vanished client or a dead engine
@@ -51,6 +56,7 @@ class ServerState:
     created: int
     limits: RequestLimits = field(default_factory=RequestLimits)
     prepare_pool: ThreadPoolExecutor | None = None  # lives with the app's lifespan
+    tools: ToolConfig | None = None                 # --enable-auto-tool-choice, --tool-call-parser
     open_flights: int = 0                           # admitted requests not yet closed (drain waits)
 
 
@@ -59,11 +65,13 @@ class ClientGone(Exception):
 
 
 class _Flight:
-    """Cleanup for one admitted request; ``close`` is idempotent."""
+    """Cleanup for one admitted HTTP request: its engine requests (one per prompt) and their
+    admission tickets; ``close`` is idempotent."""
 
-    def __init__(self, st: ServerState, request_id: str, ticket: Ticket):
-        self.st, self.request_id, self.ticket = st, request_id, ticket
-        self.finished = False
+    def __init__(self, st: ServerState, request_ids: list[str], tickets: list[Ticket]):
+        self.st, self.request_ids, self.tickets = st, request_ids, tickets
+        self.finished = [False] * len(request_ids)  # per engine request: the engine let go of it
+        self.outputs: _Outputs | None = None        # its forwarding tasks end with the flight
         self.closed = False
         st.open_flights += 1
 
@@ -72,9 +80,44 @@ class _Flight:
             return
         self.closed = True
         self.st.open_flights -= 1
-        if not self.finished:
-            self.st.async_engine.abort(self.request_id)
-        self.st.admission.release(self.ticket)
+        if self.outputs is not None:  # also when a stream never started: no task left waiting
+            self.outputs.close()
+        for rid, done in zip(self.request_ids, self.finished):
+            if not done:
+                self.st.async_engine.abort(rid)
+        for ticket in self.tickets:
+            self.st.admission.release(ticket)
+
+
+class _Outputs:
+    """The outputs of one HTTP request's engine requests as ``(prompt index, item)``, in the
+    order they arrive. One prompt reads its queue directly; a batch forwards every queue into
+    one (a task per prompt), so a stream interleaves its prompts as the engine produces them."""
+
+    def __init__(self, queues: list[asyncio.Queue]):
+        self.queues = queues
+        self.merged: asyncio.Queue | None = None
+        self.tasks: list[asyncio.Task] = []
+        if len(queues) > 1:
+            self.merged = asyncio.Queue()
+            self.tasks = [asyncio.create_task(self._forward(i, q)) for i, q in enumerate(queues)]
+
+    async def _forward(self, i: int, q: asyncio.Queue) -> None:
+        while True:
+            item = await q.get()
+            self.merged.put_nowait((i, item))
+            if isinstance(item, RequestFailed) or item.finished:
+                return
+
+    async def next(self, st: ServerState, request: Request | None = None) -> tuple[int, object]:
+        if self.merged is None:
+            return 0, await next_item(self.queues[0], st, request)
+        item = await next_item(self.merged, st, request)
+        return (0, item) if isinstance(item, RequestFailed) else item  # the engine thread died
+
+    def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
 
 
 class _SSEResponse(StreamingResponse):
@@ -111,22 +154,22 @@ async def next_item(q: asyncio.Queue, st: ServerState, request: Request | None =
                 raise ClientGone() from None
 
 
-async def _stream(q: asyncio.Queue, p: Prepared, st: ServerState, flight: _Flight):
-    fmt = StreamFormatter(p)
+async def _stream(outputs: _Outputs, p: Prepared, st: ServerState, flight: _Flight):
+    fmt = StreamFormatter(p, st.engine.tokenizer)
     try:
-        while True:
-            item = await next_item(q, st)
+        while not all(flight.finished):
+            i, item = await outputs.next(st)
             if isinstance(item, RequestFailed):
-                flight.finished = True  # the engine already let go of it
+                flight.finished[i] = True  # the engine already let go of it
                 # vLLM's convention: an error event, then the end marker so clients stop reading.
+                # One failed prompt of a batch ends the stream; close() aborts the others.
                 yield fmt.error(item.status, item.message, item.code)
                 yield sse("[DONE]")
                 return
-            for chunk in fmt.delta(item):
+            for chunk in fmt.delta(item, i):
                 yield chunk
             if item.finished:
-                flight.finished = True
-                break
+                flight.finished[i] = True
         for chunk in fmt.end():
             yield chunk
     except Exception as e:  # a bug formatting this one stream: tell its client, spare the rest
@@ -140,7 +183,7 @@ async def _prepare(st: ServerState, body, kind: str) -> Prepared:
     # freeze /health and every stream for that long. The tokenizer releases the GIL while it works.
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(st.prepare_pool, prepare, body, kind, st.engine,
-                                      st.model_name, st.limits)
+                                      st.model_name, st.limits, st.tools)
 
 
 # Under scheduling_policy="priority" the class decides first, the body's ``priority`` second:
@@ -159,46 +202,82 @@ def engine_priority(engine, priority_class: str, priority: int) -> int:
     return PRIORITY_CLASSES.index(priority_class) * CLASS_STRIDE + max(-half, min(half, priority))
 
 
+def _tickets(request: Request, body, p: Prepared) -> list[Ticket]:
+    """One admission ticket per engine request: a batch of prompts is counted prompt by prompt,
+    and ``n`` samples by their outputs (they share the prompt's KV blocks, not their own)."""
+    principal = request.scope.get(PRINCIPAL_SCOPE_KEY)  # set by AuthMiddleware when keys are configured
+    try:
+        return [classify(request.headers, user=body.user, priority=body.priority,
+                         deadline_ms=body.deadline_ms, prompt_tokens=len(ids),
+                         max_tokens=params.max_tokens * params.n,
+                         tenant=principal.tenant if principal else None,
+                         max_class=principal.max_class if principal else None)
+                for ids, params in zip(p.prompts, p.batch_params)]
+    except ValueError as e:  # "header x-deadline-ms must ..." or "deadline_ms must ..."
+        words = str(e).split()
+        raise ApiError(400, str(e), words[1] if words[0] == "header" else words[0]) from None
+
+
+def _admit(st: ServerState, tickets: list[Ticket]) -> None:
+    """Admit every ticket or none: a batch either fits the waiting room whole or is shed whole
+    (the tickets admitted before the refusal are given back)."""
+    admitted = []
+    for ticket in tickets:
+        decision = st.admission.try_admit(ticket)
+        if not decision.admitted:
+            for t in admitted:
+                st.admission.release(t)
+            headers = None if decision.retry_after_s is None else {"Retry-After": str(decision.retry_after_s)}
+            raise ApiError(decision.status, decision.message, None, decision.reason, headers)
+        admitted.append(ticket)
+
+
+def _submit(st: ServerState, body, p: Prepared, flight: _Flight, deadline_at: float | None) -> _Outputs:
+    # The tenant is always part of the cache key: no cross-tenant prefix hits, salt or not.
+    salt = effective_salt(flight.tickets[0].tenant, body.cache_salt)
+    queues = []
+    for rid, ids, params, ticket in zip(flight.request_ids, p.prompts, p.batch_params, flight.tickets):
+        queues.append(st.async_engine.submit(
+            rid, ids, params, cache_salt=salt,
+            priority=engine_priority(st.engine, ticket.priority_class, body.priority),
+            on_started=lambda t=ticket: st.admission.mark_started(t), deadline_at=deadline_at,
+            on_expired=lambda t=ticket: st.admission.record_expired(t)))
+    return _Outputs(queues)
+
+
+async def _final_outputs(outputs: _Outputs, flight: _Flight, st: ServerState, request: Request) -> list:
+    """The final output of every prompt, in prompt order; the first failure is the answer."""
+    finals: list = [None] * len(flight.request_ids)
+    while not all(flight.finished):
+        i, item = await outputs.next(st, request)
+        flight.finished[i] = isinstance(item, RequestFailed) or item.finished
+        if isinstance(item, RequestFailed):
+            raise ApiError(item.status, item.message, code=item.code)
+        if item.finished:
+            finals[i] = item
+    return finals
+
+
 async def _serve(request: Request, body, kind: str):
     st: ServerState = request.app.state.minserve
     arrived = time.monotonic()  # deadlines count from here
     p = await _prepare(st, body, kind)
-    principal = request.scope.get(PRINCIPAL_SCOPE_KEY)  # set by AuthMiddleware when keys are configured
+    tickets = _tickets(request, body, p)
+    for ticket in tickets:
+        ticket.waited_s = time.monotonic() - arrived
+    _admit(st, tickets)
+    flight = _Flight(st, p.engine_request_ids(), tickets)
+    deadline_at = None if tickets[0].deadline_s is None else arrived + tickets[0].deadline_s
     try:
-        ticket = classify(request.headers, user=body.user, priority=body.priority,
-                          deadline_ms=body.deadline_ms, prompt_tokens=len(p.prompt_ids),
-                          max_tokens=p.params.max_tokens,
-                          tenant=principal.tenant if principal else None,
-                          max_class=principal.max_class if principal else None)
-    except ValueError as e:  # "header x-deadline-ms must ..." or "deadline_ms must ..."
-        words = str(e).split()
-        raise ApiError(400, str(e), words[1] if words[0] == "header" else words[0]) from None
-    ticket.waited_s = time.monotonic() - arrived
-    decision = st.admission.try_admit(ticket)
-    if not decision.admitted:
-        headers = None if decision.retry_after_s is None else {"Retry-After": str(decision.retry_after_s)}
-        raise ApiError(decision.status, decision.message, None, decision.reason, headers)
-    flight = _Flight(st, p.request_id, ticket)
-    deadline_at = None if ticket.deadline_s is None else arrived + ticket.deadline_s
-    try:
-        # The tenant is always part of the cache key: no cross-tenant prefix hits, salt or not.
-        salt = effective_salt(ticket.tenant, body.cache_salt)
-        q = st.async_engine.submit(p.request_id, p.prompt_ids, p.params, cache_salt=salt,
-                                   priority=engine_priority(st.engine, ticket.priority_class, body.priority),
-                                   on_started=lambda: st.admission.mark_started(ticket),
-                                   deadline_at=deadline_at,
-                                   on_expired=lambda: st.admission.record_expired(ticket))
+        outputs = flight.outputs = _submit(st, body, p, flight, deadline_at)
     except BaseException:
         flight.close()
         raise
     if p.params.output_kind is RequestOutputKind.DELTA:
-        return _SSEResponse(_stream(q, p, st, flight), flight)  # it closes the flight itself
+        return _SSEResponse(_stream(outputs, p, st, flight), flight)  # it closes the flight itself
     try:
-        item = await next_item(q, st, request)
-        flight.finished = True
-        if isinstance(item, RequestFailed):
-            raise ApiError(item.status, item.message, code=item.code)
-        return JSONResponse(full_response(p, item))
+        return JSONResponse(full_response(p, await _final_outputs(outputs, flight, st, request),
+                                          st.engine.tokenizer))
     except ClientGone:
         return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
     finally:
@@ -214,14 +293,11 @@ def _routes(app: FastAPI) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await _serve(request, body, "chat")
 
-    @app.get("/v1/models")
+    @get_and_head(app, "/v1/models")
     async def models(request: Request):
-        st: ServerState = request.app.state.minserve
-        card = {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "minserve",
-                "root": st.engine.config.model, "parent": None, "max_model_len": st.engine.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card(request.app.state.minserve)]}
 
-    @app.get("/health")
+    @get_and_head(app, "/health")
     async def health(request: Request):
         st: ServerState = request.app.state.minserve
         if st.admission.draining:
@@ -232,7 +308,7 @@ def _routes(app: FastAPI) -> None:
                                            f"({st.async_engine.error or 'stopped'})"), status_code=503)
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @get_and_head(app, "/metrics")
     async def metrics(request: Request):
         st: ServerState = request.app.state.minserve
         return Response(generate_latest(st.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -269,12 +345,14 @@ def _error_handlers(app: FastAPI) -> None:
 
 def create_app(engine, *, served_model_name: str | None = None,
                admission: AdmissionConfig | AdmissionController | None = None,
-               auth: Auth | None = None, limits: RequestLimits | None = None) -> FastAPI:
+               auth: Auth | None = None, limits: RequestLimits | None = None,
+               tools: ToolConfig | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (an LLMEngine). The engine thread starts and stops with
     the app's lifespan; ``app.state.minserve`` holds the pieces (tests and the CLI use it).
     One app per engine: the admission counters are registered in the engine's registry.
     ``auth``: API keys, their tenants and the /metrics policy (auth.py); None serves without keys.
-    ``limits``: body size, prompt characters and stop strings (limits.py; None: the defaults)."""
+    ``limits``: body size, prompt characters and stop strings (limits.py; None: the defaults).
+    ``tools``: the tool-call flags (tool_parsers/plan.py; None: "auto" tool choice is refused)."""
     if not isinstance(admission, AdmissionController):
         # The budgets and the deadline model need the engine's shape, which only it knows.
         cfg = dataclasses.replace(admission or AdmissionConfig(),
@@ -287,7 +365,7 @@ def create_app(engine, *, served_model_name: str | None = None,
                                                 s.num_spec_tokens, s.num_accepted_spec_tokens))
     st = ServerState(engine, AsyncEngine(engine, on_step, on_running=admission.observe_running),
                      admission, served_model_name or engine.config.model, int(time.time()),
-                     limits or RequestLimits())
+                     limits or RequestLimits(), tools=tools)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -304,6 +382,7 @@ def create_app(engine, *, served_model_name: str | None = None,
     app = FastAPI(title="minserve", lifespan=lifespan)
     app.state.minserve = st
     _routes(app)
+    add_routes(app)  # /tokenize, /detokenize, /tokenizer_info, /version, /v1/models/{id}
     _error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=st.limits.max_body_bytes)
     if auth is not None:  # added last, so it runs first: no body is read for a refused key

@@ -302,7 +302,8 @@ class AsyncEngine:
         """After ``step()`` raised (module docstring): the failures it listed, then the requests
         it retired without a word, else everything."""
         self._fail_listed()
-        live = self.engine.requests
+        # A request with n > 1 is live while any sample is (its id stays in engine.parents).
+        live = self.engine.requests.keys() | getattr(self.engine, "parents", {}).keys()
         gone = [rid for rid in self._sinks if rid not in live]
         if not self.engine.last_step_failures and not gone:
             # Nothing recorded, nobody retired (e.g. the scheduler raised): abort everything

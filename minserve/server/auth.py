@@ -2,8 +2,8 @@
 
 Two modes.
 
-- **Keys configured** (``--api-key`` and/or ``--api-keys-file``): every ``/v1/*`` route needs
-  ``Authorization: Bearer <key>``, else 401 with an OpenAI error body (vLLM's ``--api-key``
+- **Keys configured** (``--api-key`` and/or ``--api-keys-file``): every ``/v1/*`` route and
+  ``/tokenize``, ``/detokenize``, ``/tokenizer_info`` need ``Authorization: Bearer <key>``, else 401 with an OpenAI error body (vLLM's ``--api-key``
   behaviour); ``/health`` stays open. The key decides the tenant (quotas, cache isolation) and the
   most urgent priority class the request may use; the body's ``user`` field no longer counts.
   ``/metrics`` needs an admin key unless ``metrics_require_admin=False``: its prefix-cache counters
@@ -50,6 +50,7 @@ from minserve.server.admission import INTERACTIVE, PRIORITY_CLASSES, tenant_of
 from minserve.server.protocol import error_body
 
 PRINCIPAL_SCOPE_KEY = "minserve.principal"  # where the middleware leaves the caller for the handlers
+TOKENIZER_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")  # endpoints.py
 ENTRY_FIELDS = {"key", "key_sha256", "tenant", "priority_class", "admin"}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -129,7 +130,10 @@ class Auth:
         return None if key is None else self._by_digest.get(key_digest(key))
 
     def protects(self, path: str) -> bool:
-        return path.startswith("/v1") or (self.metrics_require_admin and path == "/metrics")
+        # The tokenizer routes too (vLLM leaves them open): they run on the threads that prepare
+        # every prompt, so an anonymous flood of them would delay the keyed clients' requests.
+        return (path.startswith("/v1") or path in TOKENIZER_ROUTES
+                or (self.metrics_require_admin and path == "/metrics"))
 
     def refusal(self, path: str, principal: Principal | None) -> JSONResponse | None:
         """The 401/403 answer for this caller on a protected path, or None to let it through."""

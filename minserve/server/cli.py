@@ -22,6 +22,8 @@ from minserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, KV_CACHE_DTYPES, SCHEDU
 from minserve.quant.schemes import QUANTIZATION_METHODS
 from minserve.server.admission import AdmissionConfig, ClassLimits
 from minserve.server.limits import CHARS_PER_TOKEN_BOUND, RequestLimits
+from minserve.server.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
+from minserve.server.tool_parsers.plan import ToolConfig
 
 log = logging.getLogger("minserve.server")
 FLUSH_S = 2.0  # after the drain timeout: how long failed streams get to send their last events
@@ -51,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--max-prompt-chars", type=int,
                      help=f"longer prompts (or message contents, summed) get 400 (default: "
                           f"max_model_len x {CHARS_PER_TOKEN_BOUND})")
+    tools = ap.add_argument_group("tool calls (README: Serving over HTTP)")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model decide when to call tools (tool_choice="auto"); '
+                            "needs --tool-call-parser")
+    tools.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                       help=f"how tool calls are read from the output (the default model: "
+                            f"{DEFAULT_TOOL_PARSER})")
     auth = ap.add_argument_group("authentication (README: Serving over HTTP)")
     auth.add_argument("--api-key", action="append", default=None, metavar="KEY",
                       help="require 'Authorization: Bearer KEY' on /v1/*; repeatable; admin keys, "
@@ -213,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     from minserve.server.app import create_app
     try:
         auth = auth_config(a)  # first: a bad keys file should not wait for the model to load
+        tools = ToolConfig(a.enable_auto_tool_choice, a.tool_call_parser)
         engine = LLMEngine.from_engine_args(a.model, **engine_kwargs(a))
         admission = admission_config(a)
         limits = request_limits(a)
@@ -220,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minserve serve: {e}", file=sys.stderr)
         return 2
     app = create_app(engine, served_model_name=a.served_model_name, admission=admission, auth=auth,
-                     limits=limits)
+                     limits=limits, tools=tools)
     server = make_server(app, a.host, a.port, a.drain_timeout, a.log_level.lower())
     server.run()
     return 0

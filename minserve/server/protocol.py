@@ -2,7 +2,11 @@
 
 Types are checked here; value ranges are checked where they are defined once for everyone
 (``SamplingParams``, the engine's context length, admission), so the server cannot drift from the
-engine. Unknown fields are ignored, as vLLM does, so clients that send newer OpenAI fields work.
+engine. The schema lists every field vLLM's completions and chat requests accept; each one is
+either implemented as vLLM implements it or refused with a 400 naming it (sampling_fields.py holds
+that table, and tests/test_api_request_fields.py walks these models so a new field cannot be
+accepted and dropped). Fields outside the schema are ignored, as vLLM does (it logs them), so
+clients that send newer OpenAI fields keep working.
 
 Errors use OpenAI's body, which the ``openai`` client turns into typed exceptions::
 
@@ -15,12 +19,12 @@ clients), range errors are ``ValueError`` from SamplingParams and also become 40
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
                413: "invalid_request_error", 429: "rate_limit_exceeded",
@@ -87,30 +91,87 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
 
+class _Strict(BaseModel):
+    # Nested vLLM objects (structured outputs): a misspelt key is a 400, not a dropped constraint.
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), populate_by_name=True)
+
+
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool | None = True          # vLLM's default once stream_options is sent
+    continuous_usage_stats: bool | None = False
+
+
+class JsonSchemaFormat(_Body):
+    name: str                          # required, as in OpenAI and vLLM
+    description: str | None = None
+    # OpenAI calls it "schema", which shadows a pydantic BaseModel attribute.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` request field (its StructuredOutputsParams), one kind set."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
 
 
 class _CommonRequest(_Body):
-    """Fields shared by completions and chat (OpenAI's, then vLLM's extras)."""
+    """Fields shared by completions and chat: OpenAI's, then vLLM's extras, then minserve's."""
 
     model: str | None = None
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
+    best_of: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
     # vLLM's extra sampling fields
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's extra request fields
+    echo: bool = False
+    request_id: str | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    logits_processors: list[Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    repetition_detection: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
     # vLLM's prefix-cache isolation and scheduling fields
     cache_salt: str | None = None
     priority: int = 0
@@ -122,7 +183,16 @@ class CompletionRequest(_CommonRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16        # OpenAI's default for /v1/completions
     logprobs: int | None = None
-    echo: bool = False
+    suffix: str | None = None
+    add_special_tokens: bool = True    # vLLM: BOS etc. as the tokenizer adds them
+    prompt_embeds: str | list[str] | None = None
+    logprob_token_ids: list[int] | None = None
+    # vLLM before 0.12 took structured outputs as these top-level fields
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class TextPart(_Body):
@@ -130,15 +200,49 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str = "{}"              # a JSON object, as a string (OpenAI's convention)
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None   # an assistant turn that called tools
+    tool_call_id: str | None = None            # a tool turn: which call this answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_CommonRequest):
@@ -147,4 +251,19 @@ class ChatCompletionRequest(_CommonRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ChatTool] | None = None
+    # None: vLLM's default, "auto" when tools are given and "none" otherwise
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    include_reasoning: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False   # vLLM: the chat template already adds what it needs
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    max_repetition_pattern_size: int = 0
+    min_repetition_pattern_size: int = 0
+    repetition_min_count: int = 0

@@ -1,4 +1,4 @@
-"""From an OpenAI request body to engine inputs, and from engine outputs to OpenAI responses.
+"""From an OpenAI request body to engine inputs (the way back, outputs to responses: responses.py).
 
 Everything that can be wrong with a request is found here, before it is admitted or queued: the
 cheap limits first (limits.py: prompt characters, stop strings, valid Unicode everywhere), then the
@@ -11,111 +11,157 @@ event loop.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from minserve.engine.inputs import check_params
-from minserve.outputs import CompletionOutput, Logprob, RequestOutput
 from minserve.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from minserve.server.chat_template import chat_prompt_ids, echo_prefix
 from minserve.server.limits import RequestLimits, check_sizes, check_strings
-from minserve.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, error_body
+from minserve.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from minserve.server.sampling_fields import check_fields, sampling_kwargs, truncate_prompt
+from minserve.server.tool_parsers.plan import ToolConfig, plan_tools
+from minserve.server.tool_parsers.reply import ChatReply
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# A batch is one engine request per prompt; admission still counts each (app.py). vLLM's
+# default bound (VLLM_MAX_COMPLETION_PROMPTS) is far higher; ours keeps one body's tokenizing short.
+MAX_PROMPTS_PER_REQUEST = 256
 
 
 @dataclass
 class Prepared:
-    """A validated request, ready for admission and the engine."""
+    """A validated request, ready for admission and the engine: one engine request per prompt
+    (a completions request may send a list of them), each with ``params.n`` samples."""
 
     kind: str                          # "completion" | "chat"
     request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
+    prompt_ids: list[int]              # the first (often the only) prompt
+    params: SamplingParams             # the first prompt's; see batch_params
     model: str
     top_logprobs: int | None           # how many alternatives to show per token, None: no logprobs
     include_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
+    prompts: list[list[int]] = field(default_factory=list)       # every prompt, in order
+    batch_params: list[SamplingParams] = field(default_factory=list)  # per prompt (max_tokens differ)
+    prompt_texts: list[str] = field(default_factory=list)       # what echo prepends, per prompt
+    echo: bool = False
+    echo_only: bool = False            # echo with max_tokens=0: the prompt, no completion text
+    continuous_usage: bool = False     # usage on every stream chunk (vLLM's continuous_usage_stats)
+    chat_reply: ChatReply | None = None  # chat: tool calls and echo in the message (tool_parsers/)
+
+    def __post_init__(self) -> None:
+        self.prompts = self.prompts or [self.prompt_ids]
+        self.batch_params = self.batch_params or [self.params]
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+    def engine_request_ids(self) -> list[str]:
+        """One id per prompt: the response id itself for one prompt, suffixed for a batch (vLLM)."""
+        if len(self.prompts) == 1:
+            return [self.request_id]
+        return [f"{self.request_id}-{i}" for i in range(len(self.prompts))]
 
 
-def prepare(body, kind: str, engine, model_name: str, limits: RequestLimits | None = None) -> Prepared:
+def prepare(body, kind: str, engine, model_name: str, limits: RequestLimits | None = None,
+            tools: ToolConfig | None = None) -> Prepared:
     """Validate ``body`` against the engine's limits; raises ApiError / ValueError (-> 400)."""
     check_sizes(body, kind, limits or RequestLimits(), engine.max_model_len)  # before tokenizing
     check_strings(body)  # before any message quotes a value
     if body.model is not None and body.model != model_name:
         raise ApiError(404, f"The model `{body.model}` does not exist; this server serves "
                        f"`{model_name}` (see /v1/models)", "model", "model_not_found")
+    check_fields(body, kind)  # refused fields and vLLM's invalid combinations (sampling_fields.py)
+    echo = kind != "chat" and body.echo
+    plan = plan_tools(body, tools) if kind == "chat" else None
     if kind == "chat":
-        ids, param = chat_prompt_ids(body, engine.tokenizer), "messages"
+        prompts, texts = [chat_prompt_ids(body, engine.tokenizer, plan)], [""]
+        param = "messages"
         requested, mt_param = _chat_max_tokens(body)
         top = _chat_top_logprobs(body)
     else:
-        if body.echo:
-            raise ApiError(400, "echo is not supported by this server; send echo=false", "echo")
-        ids, param = completion_prompt_ids(body, engine), "prompt"
+        prompts, texts = completion_prompts(body, engine)
+        param = "prompt"
         requested, mt_param, top = body.max_tokens, "max_tokens", body.logprobs
+    prompts = [truncate_prompt(ids, body, engine.max_model_len) for ids in prompts]
+    echo_only = echo and requested == 0  # vLLM: return the prompt alone, sample one token unseen
     _check_stop_token_ids(body.stop_token_ids, engine.model_config.vocab_size)
-    max_tokens = resolve_max_tokens(requested, len(ids), engine.max_model_len, param, mt_param,
-                                    explicit=kind == "chat" or "max_tokens" in body.model_fields_set)
+    max_tokens = [resolve_max_tokens(1 if echo_only else requested, len(ids), engine.max_model_len,
+                                     param, mt_param,
+                                     explicit=kind == "chat" or "max_tokens" in body.model_fields_set)
+                  for ids in prompts]
     if body.cache_salt is not None and not body.cache_salt:
         raise ApiError(400, "cache_salt must be a non-empty string or omitted", "cache_salt")
     params = SamplingParams(
         n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
         min_p=body.min_p or 0.0, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
-        max_tokens=max_tokens, min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, logprobs=top,
+        max_tokens=max_tokens[0], min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, logprobs=top,
+        prompt_logprobs=_prompt_logprobs(body, echo, top),
         skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
         # Streams get only what is new each step; a plain response needs only the final result.
-        output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY)
+        output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
+        **sampling_kwargs(body, engine.model_config.vocab_size, plan.schema if plan else None))
     try:  # the engine's own checks (e.g. min_tokens with every token a stop token), as a 400 now
         check_params(params, engine.model_config.vocab_size, engine.eos_token_ids)
     except ValueError as e:
         first = str(e).split(" ", 1)[0]
         raise ApiError(400, str(e), first if first.isidentifier() else None) from None
+    # Only max_tokens differs between the prompts of a batch (each fills its own context room).
+    batch_params = [params if m == params.max_tokens else dataclasses.replace(params, max_tokens=m)
+                    for m in max_tokens]
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Prepared(kind, f"{prefix}-{uuid.uuid4().hex}", ids, params, model_name, top, usage)
+    opts = body.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    request_id = f"{prefix}-{body.request_id or uuid.uuid4().hex}"  # vLLM: the client may name it
+    return Prepared(kind, request_id, prompts[0], params, model_name, top,
+                    include_usage, prompts=prompts, batch_params=batch_params, prompt_texts=texts,
+                    echo=echo, echo_only=echo_only,
+                    continuous_usage=include_usage and opts.continuous_usage_stats,
+                    chat_reply=ChatReply(plan, echo_prefix(body)) if kind == "chat" else None)
 
 
-def completion_prompt_ids(body: CompletionRequest, engine) -> list[int]:
+def _prompt_logprobs(body, echo: bool, top: int | None) -> int | None:
+    """vLLM's rules: prompt_logprobs only without streaming; echo with logprobs asks for the
+    prompt's logprobs at the same depth (the echoed prompt tokens need them)."""
+    asked = body.prompt_logprobs
+    if asked is not None and body.stream:
+        raise ApiError(400, "`prompt_logprobs` are not available when `stream=True`.",
+                       "prompt_logprobs")
+    if asked is None and echo:
+        return top
+    return asked
+
+
+def completion_prompts(body: CompletionRequest, engine) -> tuple[list[list[int]], list[str]]:
+    """The token ids and the text (what echo prepends) of every prompt of a completions request:
+    a string, a list of token ids, or a list of either (a batch, one engine request each)."""
     prompt = body.prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise ApiError(400, f"prompt: this server takes one prompt per request, got a list of "
-                           f"{len(prompt)}; send them as separate requests", "prompt")
-        prompt = prompt[0]
+    batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+    if len(batch) > MAX_PROMPTS_PER_REQUEST:
+        raise ApiError(400, f"prompt: a list of {len(batch)} prompts; at most "
+                       f"{MAX_PROMPTS_PER_REQUEST} per request", "prompt")
+    ids = [_one_prompt_ids(p, engine, "prompt" if len(batch) == 1 else f"prompt.{i}",
+                           body.add_special_tokens) for i, p in enumerate(batch)]
+    texts = [p if isinstance(p, str) else engine.tokenizer.decode(i) if body.echo else ""
+             for p, i in zip(batch, ids)]
+    return ids, texts
+
+
+def _one_prompt_ids(prompt, engine, param: str, add_special_tokens: bool = True) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise ApiError(400, "prompt must be a non-empty string", "prompt")
-        ids = list(engine.tokenizer(prompt).input_ids)
-    else:
-        ids = list(prompt)
-        vocab = engine.model_config.vocab_size
-        if not ids or any(not 0 <= t < vocab for t in ids):
-            raise ApiError(400, f"prompt token ids must be a non-empty list of ints in [0, {vocab})",
-                           "prompt")
-    return ids
-
-
-def chat_prompt_ids(body: ChatCompletionRequest, tokenizer) -> list[int]:
-    if not body.messages:
-        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-    for i, m in enumerate(body.messages):
-        if m.role not in CHAT_ROLES:
-            raise ApiError(400, f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {m.role!r}",
-                           f"messages.{i}.role")
-    conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        out = tokenizer.apply_chat_template(conversation, add_generation_prompt=body.add_generation_prompt,
-                                            tokenize=True, return_dict=True)
-    except Exception as e:  # a template that rejects this conversation (e.g. role order)
-        raise ApiError(400, f"messages could not be rendered with the chat template: {e}",
-                       "messages") from None
-    ids = list(out["input_ids"])
-    if not ids:
-        raise ApiError(400, "messages rendered to an empty prompt", "messages")
+            raise ApiError(400, f"{param} must be a non-empty string", param)
+        return list(engine.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
+    ids = list(prompt)
+    vocab = engine.model_config.vocab_size
+    if not ids or any(not 0 <= t < vocab for t in ids):
+        raise ApiError(400, f"{param}: prompt token ids must be a non-empty list of ints in "
+                       f"[0, {vocab})", param)
     return ids
 
 
@@ -131,7 +177,8 @@ def _chat_top_logprobs(body: ChatCompletionRequest) -> int | None:
                        "top_logprobs")
     if not body.logprobs:
         if body.top_logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+            raise ApiError(400, "when using `top_logprobs`, `logprobs` must be set to true.",
+                           "top_logprobs")  # vLLM's wording
         return None
     return body.top_logprobs or 0
 
@@ -161,124 +208,3 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
         raise ApiError(400, f"{param} must be in [1, {room}] for this {prompt_len}-token prompt "
                        f"(max_model_len={max_model_len}), got {requested}", param)
     return requested
-
-
-# ---- responses ---------------------------------------------------------------------------------
-
-def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    # cached_tokens: prompt tokens served from the prefix cache (OpenAI's field). The cache is
-    # salted per tenant, so these are always the caller's own tenant's hits.
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def _top(d: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
-    """The top-k alternatives of one position, best first (the sampled token is listed only if
-    it is among them, as in OpenAI's responses)."""
-    ranked = [(t, lp) for t, lp in d.items() if lp.rank is not None and 1 <= lp.rank <= k]
-    return sorted(ranked, key=lambda e: e[1].rank)
-
-
-def completion_logprobs(c: CompletionOutput, k: int, offset: int) -> dict:
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for tok, d in zip(c.token_ids, c.logprobs or []):
-        lp = d[tok]
-        text = lp.decoded_token or ""
-        tokens.append(text)
-        token_lps.append(lp.logprob)
-        tops.append({(e.decoded_token or ""): e.logprob for _, e in _top(d, k)} if k else None)
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def chat_logprobs(c: CompletionOutput, k: int) -> dict:
-    def entry(lp: Logprob) -> dict:
-        text = lp.decoded_token or ""
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
-
-    content = []
-    for tok, d in zip(c.token_ids, c.logprobs or []):
-        content.append({**entry(d[tok]), "top_logprobs": [entry(e) for _, e in _top(d, k)]})
-    return {"content": content}
-
-
-def full_response(p: Prepared, out: RequestOutput) -> dict:
-    c = out.outputs[0]
-    if p.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
-                  "logprobs": chat_logprobs(c, p.top_logprobs) if p.top_logprobs is not None else None,
-                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": c.text, "finish_reason": c.finish_reason,
-                  "stop_reason": c.stop_reason,
-                  "logprobs": (completion_logprobs(c, p.top_logprobs, 0)
-                               if p.top_logprobs is not None else None)}
-        obj = "text_completion"
-    return {"id": p.request_id, "object": obj, "created": p.created, "model": p.model,
-            "choices": [choice],
-            "usage": usage(len(p.prompt_ids), len(c.token_ids), out.num_cached_tokens)}
-
-
-class StreamFormatter:
-    """Turns DELTA outputs into OpenAI stream chunks (``data: {...}`` lines)."""
-
-    def __init__(self, p: Prepared):
-        self.p = p
-        self.completion_tokens = 0
-        self.cached_tokens = 0
-        self.text_offset = 0
-        self.opened = False  # the chat role chunk was sent
-        self.object = "chat.completion.chunk" if p.kind == "chat" else "text_completion"
-
-    def _chunk(self, choices: list, **extra) -> str:
-        return sse({"id": self.p.request_id, "object": self.object, "created": self.p.created,
-                    "model": self.p.model, "choices": choices, **extra})
-
-    def start(self) -> list[str]:
-        # OpenAI opens a chat stream with the role, before any content. Sent with the first
-        # output, as vLLM does: benchmark clients (vLLM's bench serve among them) start TTFT at
-        # the first chunk with choices, so a role chunk sent at once would make TTFT read ~0.
-        if self.p.kind != "chat" or self.opened:
-            return []
-        self.opened = True
-        return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])]
-
-    def delta(self, out: RequestOutput) -> list[str]:
-        return self.start() + self._delta(out)
-
-    def _delta(self, out: RequestOutput) -> list[str]:
-        c = out.outputs[0]
-        self.completion_tokens += len(c.token_ids)
-        self.cached_tokens = out.num_cached_tokens  # fixed when the request was first scheduled
-        want_lp = self.p.top_logprobs is not None and c.token_ids
-        if not (c.text or c.finish_reason or want_lp):
-            return []  # e.g. half of a multi-byte character, held back by the engine
-        if self.p.kind == "chat":
-            choice = {"index": 0, "delta": {"content": c.text} if c.text else {},
-                      "logprobs": chat_logprobs(c, self.p.top_logprobs) if want_lp else None}
-        else:
-            choice = {"index": 0, "text": c.text,
-                      "logprobs": (completion_logprobs(c, self.p.top_logprobs, self.text_offset)
-                                   if want_lp else None)}
-            self.text_offset += len(c.text)
-        choice.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-        return [self._chunk([choice])]
-
-    def end(self) -> list[str]:
-        tail = []
-        if self.p.include_usage:
-            tail.append(self._chunk([], usage=usage(len(self.p.prompt_ids), self.completion_tokens,
-                                                    self.cached_tokens)))
-        return tail + [sse("[DONE]")]
-
-    @staticmethod
-    def error(status: int, message: str, code: str | None = None) -> str:
-        return sse(error_body(status, message, code=code))

@@ -9,6 +9,13 @@ output tokens per second of decode steps with proposals and of decode steps with
 while the first is at least the second. Every ``probe_every`` steps it does the other thing once,
 so that a stale estimate (the workload changed) gets corrected. Only decode-only steps count:
 a prefill chunk in a step makes its time incomparable.
+
+Re-enabling must be quick, or a batch that shrank back to where speculation pays would decode
+plainly for a long time on an old verdict. Two rules see to it: when the batch shrinks into
+another bucket, the side not chosen is probed at once (the bucket's estimates may date from a
+different workload); and a probe's measurement replaces a stale estimate (one not updated within
+the last ``probe_every`` steps) instead of nudging it by ``smoothing``, so a single probe that wins
+flips the choice.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ class AdaptiveSpeculation:
         self.probe_every = probe_every
         self.smoothing = smoothing
         self.rate: dict[tuple[int, bool], float] = {}   # (bucket, with proposals) -> tokens / s
+        self._updated: dict[tuple[int, bool], int] = {}  # the step each estimate was last updated
         self._steps = 0
+        self._last_bucket: int | None = None
         self.last_choice = True
 
     def should_propose(self, batch: int) -> bool:
@@ -33,12 +42,14 @@ class AdaptiveSpeculation:
             return True
         self._steps += 1
         b = _bucket(batch)
+        shrank = self._last_bucket is not None and b < self._last_bucket
+        self._last_bucket = b
         spec, plain = self.rate.get((b, True)), self.rate.get((b, False))
         if spec is None or plain is None:
             choice = spec is None  # measure the side not seen yet (proposals first)
         else:
             choice = spec >= plain
-            if self._steps % self.probe_every == 0:
+            if shrank or self._steps % self.probe_every == 0:
                 choice = not choice  # refresh the other side's estimate
         self.last_choice = choice
         return choice
@@ -52,4 +63,6 @@ class AdaptiveSpeculation:
         rate = produced / max(stats.step_time_s, 1e-9)
         key = (_bucket(batch), with_proposals)
         old = self.rate.get(key)
-        self.rate[key] = rate if old is None else old + self.smoothing * (rate - old)
+        stale = self._steps - self._updated.get(key, self._steps) >= self.probe_every
+        self.rate[key] = rate if old is None or stale else old + self.smoothing * (rate - old)
+        self._updated[key] = self._steps

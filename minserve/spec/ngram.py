@@ -38,6 +38,10 @@ class NgramProposer:
                 return array("i", data[start * 4:min(total, start + self.k) * 4]).tolist()
         return []
 
+    def propose_batch(self, reqs: list) -> list[list[int]]:
+        """The engine's interface: each request's proposals, in order (lookups are per request)."""
+        return [self.propose(r) for r in reqs]
+
     def _tokens_bytes(self, req) -> bytearray:
         """The request's tokens as int32 bytes, extended by its new tokens since the last call."""
         seen, buf = self._buffers.get(req.request_id, (0, bytearray()))

@@ -16,6 +16,11 @@ general rule (min(1, p/q) and the residual max(0, p - q)); that lives beside thi
 
 from __future__ import annotations
 
+import torch
+
+from minserve.engine.sampler import _apply_min_p, _apply_top_k_top_p, _ban_, _gather_logprobs
+from minserve.engine.step_io import SampledToken
+
 
 def accept_one_hot(proposals: list[int], drawn: list[int]) -> int:
     """How many rows' draws the request keeps: ``drawn`` has one token per row (len(proposals) + 1);
@@ -39,8 +44,6 @@ def rejection_sample(target_probs, draft_probs, proposals: list[int], generator=
     target would have sampled it (Leviathan et al. 2023; Chen et al. 2023): accepting d and
     drawing from the residual together give P(x) = min(p, q)(x) + (1 - sum min(p, q)) *
     residual(x) = p(x). Returns the tokens (1 to k + 1)."""
-    import torch
-
     out: list[int] = []
     for i, d in enumerate(proposals):
         p, q = target_probs[i], draft_probs[i]
@@ -55,3 +58,33 @@ def rejection_sample(target_probs, draft_probs, proposals: list[int], generator=
         return out
     out.append(int(torch.multinomial(target_probs[len(proposals)], 1, generator=generator)))
     return out
+
+
+def sampling_probs(logits: torch.Tensor, params: list, banned: list[list[int]]) -> torch.Tensor:
+    """The distribution the sampler draws each row from (engine/sampler.py, same order): bans,
+    temperature, min-p, top-k, top-p, softmax. [R, V] fp32; ``logits`` is not modified. Rejection
+    sampling needs the target's p explicitly, where the sampler only needs to draw from it."""
+    x = logits.float().clone()
+    _ban_(x, banned)
+    x.div_(torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device).unsqueeze(1))
+    _apply_min_p(x, params)
+    _apply_top_k_top_p(x, params)
+    return x.softmax(dim=-1)
+
+
+def verify_with_draft(logits: torch.Tensor, params, banned: list[list[int]], proposals: list[int],
+                      draft_probs: torch.Tensor, generator, raw: torch.Tensor | None = None
+                      ) -> list[SampledToken]:
+    """A sampled request's verify step against a draft distribution: ``logits`` [k + 1, V] are the
+    target's rows (after penalties and biases, when the request has any), ``draft_probs`` [>= k, V]
+    the q each proposal was drawn from. Returns the kept tokens with their logprobs, when asked,
+    from ``raw`` (the model's logits, as the sampler reports them; default ``logits``)."""
+    k = len(proposals)
+    target = sampling_probs(logits, [params] * (k + 1), banned)
+    tokens = rejection_sample(target, draft_probs[:k], proposals, generator)
+    if params.logprobs is None:
+        return [SampledToken(t, None, None) for t in tokens]
+    raw = logits if raw is None else raw
+    chosen = torch.tensor(tokens, dtype=torch.long, device=raw.device)
+    logprobs, ranks = _gather_logprobs(raw[:len(tokens)].float(), chosen, [params] * len(tokens))
+    return [SampledToken(t, lp, r) for t, lp, r in zip(tokens, logprobs, ranks)]
