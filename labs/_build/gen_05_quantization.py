@@ -32,9 +32,9 @@ This lab measures all three for each weight format minserve implements (`quantiz
 4. read the quality table as a release gate, on a live slice and on the shipped full run, and
    picked what you would release.
 
-**Run time:** about 5 minutes on a 2-core CPU in the `quick` preset (the default), most of it
-building engines (the formats are quantized at load) and the gate's live slice; measured at 5.5
-minutes on a shared host whose other jobs kept the load average at 5 to 8. Under
+**Run time:** about 1 minute on an otherwise idle 2-core CPU in the `quick` preset (the default;
+58 s measured), most of it building engines (the formats are quantized at load) and the gate's live
+slice; 5.5 minutes on a shared host whose other jobs kept the load average at 5 to 8. Under
 `MINSERVE_LAB_CI=1` (shorter runs, a smaller slice and sweep) it took 3.5 minutes on that host at
 a load average of 3 to 5, and 6 to 7 minutes at a load average of 8 to 12. The `full` preset
 (`MINSERVE_LAB_PRESET=full`) uses lab 03's full sizes, longer decode runs and the whole gate data;
