@@ -29,6 +29,7 @@ from minserve.models.tiny import write_tiny_model
 from minserve.models.weights import WeightDescriptor
 from minserve.quant import QuantScheme, quantize_
 from minserve.quant.formats import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from test_fused_verify import _step  # the same shuffled block tables as the verify tests
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the fused decode kernel cannot be built")
@@ -126,20 +127,6 @@ def _fill_cache(kv, seed: int) -> None:
                 t.copy_(torch.randn(t.shape, generator=g))
         for s in layer[2:]:
             s.copy_(torch.rand(s.shape, generator=g) * 2 / 127)
-
-
-def _step(contexts, query_lens, num_blocks, block_size, seed):
-    """Token ids, positions and disjoint shuffled (non-consecutive) block tables of one step."""
-    g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    tables, i = [], 0
-    for c, q in zip(contexts, query_lens):
-        n = (c + q - 1) // block_size + 1
-        tables.append(order[i:i + n])
-        i += n
-    ids = torch.randint(0, 1000, (sum(query_lens),), generator=g)
-    pos = torch.tensor([p for c, q in zip(contexts, query_lens) for p in range(c, c + q)])
-    return ids, pos, tables
 
 
 def _run_both(runner, contexts, query_lens, seed):

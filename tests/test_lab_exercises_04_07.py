@@ -12,26 +12,15 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from minserve.lab import checks
+from lab_check_helpers import not_ci, verified_under_ci  # noqa: F401 (not_ci: autouse)
 from minserve.lab import prefix as px
 from minserve.lab import sidechannel as sc
 from minserve.lab import traffic as tr
 from minserve.lab.exercises import lab04, lab07
 from minserve.lab.local_server import LocalServer, serve
-from minserve.lab.presets import CI_ENV
 from minserve.server import AdmissionConfig, ClassLimits
 
 
-@pytest.fixture(autouse=True)
-def not_ci(monkeypatch):
-    monkeypatch.delenv(CI_ENV, raising=False)
-
-
-def verified_under_ci(check, monkeypatch):
-    monkeypatch.setenv(CI_ENV, "1")
-    v = check.evaluate(None)
-    monkeypatch.delenv(CI_ENV)
-    return v.status == checks.VERIFIED
 
 
 # ---- two-sample tests ------------------------------------------------------------------------

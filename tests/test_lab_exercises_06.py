@@ -11,22 +11,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from lab_check_helpers import not_ci, verified_under_ci  # noqa: F401 (not_ci: autouse)
 from minserve import LLM, SamplingParams
 from minserve.lab import checks
 from minserve.lab.exercises import lab06 as ex
 from minserve.lab.presets import CI_ENV
 
 
-@pytest.fixture(autouse=True)
-def not_ci(monkeypatch):
-    monkeypatch.delenv(CI_ENV, raising=False)
-
-
-def verified_under_ci(check, monkeypatch):
-    monkeypatch.setenv(CI_ENV, "1")
-    v = check.evaluate(None)
-    monkeypatch.delenv(CI_ENV)
-    return v.status == checks.VERIFIED
 
 
 # ---- synthetic runs ----------------------------------------------------------------------------
