@@ -58,7 +58,10 @@ ROWS = {"fp32": (None, None, "auto"), "int8": ("int8", None, "auto"),
         "int4 g32": ("int4", None, "auto"), "int4 g64": ("int4", {"group_size": 64}, "auto"),
         "int4 g128": FORMAT_ROWS["int4 g128+fallback"] + ("auto",),
         "int4-awq": ("int4-awq", None, "auto"),
-        "fp32 kv=int8": (None, None, "int8"), "int4 kv=int8": ("int4", None, "int8")}
+        "fp32 kv=int8": (None, None, "int8"), "int4 kv=int8": ("int4", None, "int8"),
+        "int8 a8": ("int8", {"activations": "int8"}, "auto"),
+        "int4 a8": ("int4", {"activations": "int8"}, "auto"),
+        "int4 a8 kv=int8": ("int4", {"activations": "int8"}, "int8")}
 QUICK_ROWS = ["fp32", "int8", "int4 g32", "int4 kv=int8"]
 TARGETS = {"decode_b1": {"int8": 2.5, "int4 g32": 3.5}, "prefill": 0.8, "decode_b16": {"int4 g32": 2.0},
            "llama_cpp": 1.0}

@@ -32,7 +32,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "quant_dot.h"   /* vf16, hsum, ROW_TILE, the int8 / int4 row loops, qmatmul, order_columns */
+#include "quant_a8.h"    /* quant_dot.h (vf16, hsum, ROW_TILE, the int8 / int4 row loops, qmatmul,
+                            order_columns) and the int8-activation loops, qmatmul_a8 */
 
 typedef int32_t vi16 __attribute__((vector_size(64)));
 
@@ -51,6 +52,7 @@ typedef struct {             /* one weight matrix [out, in], as its descriptor d
     const float *mins;       /* int4: [out, in / group_size] (w = q * scale + min); else NULL */
     const float *bias;       /* [out] or NULL */
     int64_t group_size;      /* int4: 32, 64 or 128; else 0 */
+    int64_t act_int8;        /* int8 / int4 with in % 32 == 0: quantize the input rows (quant_a8.h) */
 } Weight;
 
 typedef struct {
@@ -71,7 +73,8 @@ typedef struct {
 
 typedef struct {   /* caller-owned scratch, sized for the most rows and the longest context */
     float *h, *x, *qkv, *attn, *gate_up, *act;
-    float *xs;               /* rows x max(hidden, heads * head_dim, intermediate): int4's x order */
+    float *xs;               /* rows x (max(hidden, heads * head_dim, intermediate) + 1): int4's x
+                                order, or int8 activations (matmul) */
     float *scores;
     int64_t scores_stride;   /* floats per (row, head) of scores: >= longest context */
 } Scratch;
@@ -199,25 +202,37 @@ void ms_matmul(const float *W, const float *bias, const float *x, float *y, int6
 
 /* The same product for a weight in any format. Quantized ones go through quant_dot.h's loops, which
  * dequantize in registers as the codes stream in (the same code kernels/quant.py runs), so a step
- * reads 1 (int8) or ~0.6 (int4, with scales and mins) bytes per weight instead of 4.
- * xs: scratch of B * in floats, where int4 needs x in order_columns's order (its nibble order). */
+ * reads 1 (int8) or ~0.6 (int4, with scales and mins) bytes per weight instead of 4; or, with
+ * act_int8, through quant_a8.h's integer loops on quantized inputs.
+ * xs: scratch of B * in + B floats, where int4 needs x in order_columns's order (its nibble order)
+ * and int8 activations their codes and scales. */
 static int64_t matmul(const Weight *w, const float *x, float *xs, float *y, int64_t B, int64_t in,
                       int64_t out, int accumulate, int nthreads) {
     if (w->format == WEIGHT_F32)
         return dense_matmul(w->data, w->bias, x, y, B, in, out, accumulate, nthreads);
+    QWeight q = {w->format == WEIGHT_INT8 ? 8 : 4, w->data, w->scales, w->mins, w->bias,
+                 w->group_size, in, out};
+    if (w->act_int8)
+        return qmatmul_a8(&q, x, a8_scratch(xs, B, in), y, B, accumulate, nthreads);
     if (w->format == WEIGHT_INT4) {
         order_columns(x, xs, B * in);
         x = xs;
     }
-    QWeight q = {w->format == WEIGHT_INT8 ? 8 : 4, w->data, w->scales, w->mins, w->bias,
-                 w->group_size, in, out};
     return qmatmul(&q, x, y, B, accumulate, nthreads);
+}
+
+/* matmul for one bound Weight, with the caller's default team: exported so that the tests can
+ * check each format's dispatch (and int8 activations' use of the scratch) against kernels/quant.py. */
+int64_t ms_weight_matmul(const Weight *w, const float *x, float *xs, float *y, int64_t B, int64_t in,
+                         int64_t out, int accumulate) {
+    return matmul(w, x, xs, y, B, in, out, accumulate, omp_get_max_threads());
 }
 
 /* Whether w is a format this file implements for an [out, in] matrix (a last check: kernels/decode.py
  * validates every tensor first). A wrong group would make int4_rows read past the scales. */
 static int weight_ok(const Weight *w, int64_t in) {
     if (!w->data) return 0;
+    if (w->act_int8 && (w->format == WEIGHT_F32 || in % A8_BLOCK)) return 0;
     switch (w->format) {
     case WEIGHT_F32: return 1;
     case WEIGHT_INT8: return w->scales != NULL;

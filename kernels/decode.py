@@ -15,7 +15,9 @@ layer writes every row's K/V before any row attends, so row j sees its own seque
 Weights are bound through :meth:`Linear.descriptor` (minserve/models/weights.py), one format per
 matrix: dense float32, int8 (one scale per output row) or int4 (groups of 32, 64 or 128 with a
 scale and a min each), in minserve/quant/formats.py's layouts; each Linear of each layer and the LM
-head may differ. The kernel refuses anything else with the module's name (:func:`unsupported_reason`),
+head may differ. A quantized descriptor may say ``activations="int8"``: its input rows are then
+quantized in blocks of 32 and multiplied with integer dot products (kernels/quant_a8.h), as the
+layer's own forward does (minserve/quant/activations.py). The kernel refuses anything else with the module's name (:func:`unsupported_reason`),
 so it never reads int8 codes or bf16 halves as float32. The KV cache is float32 ``(key, value)``
 per layer, or ``kv_cache_dtype="int8"``'s ``(key codes, value codes, key scales, value scales)``,
 written and read in place (quantized on write exactly as kernels/triton/reference.py does).
@@ -40,6 +42,7 @@ _DTYPES = {_f32p: torch.float32, _i64p: torch.int64, _i8p: torch.int8, _u8p: tor
 _KERNEL = ("the fused decode kernel implements dense float32, int8 (one scale per output row) and "
            "int4 (groups of 32, 64 or 128) only")
 INT4_GROUP_SIZES = (32, 64, 128)   # the int4 group sizes decode.c compiles a loop for
+A8_BLOCK = 32                      # quant_a8.h: input columns per int8 activation scale
 # decode.c's enums: a matrix's format, and the KV cache's.
 WEIGHT_F32, WEIGHT_INT8, WEIGHT_INT4 = 0, 1, 2
 KV_F32, KV_INT8 = 0, 1
@@ -49,7 +52,7 @@ _PROFILE_CLOCKS = {None: 0, "wall": 1, "cpu": 2}             # decode.c's PROFIL
 
 class _Weight(ctypes.Structure):   # decode.c's Weight: one matrix in its own format
     _fields_ = [("format", _I64), ("data", ctypes.c_void_p), ("scales", _f32p), ("mins", _f32p),
-                ("bias", _f32p), ("group_size", _I64)]
+                ("bias", _f32p), ("group_size", _I64), ("act_int8", _I64)]
 
 
 class _LayerPtrs(ctypes.Structure):
@@ -152,7 +155,9 @@ _FORMATS = {DENSE: _dense, "int8": _int8, "int4": _int4}
 
 
 def _weight(name: str, module, out: int, inp: int, bias_ok: bool = False):
-    """(the C Weight, the tensors it points into) for a linear layer's descriptor, else refuse."""
+    """(the C Weight, the tensors it points into) for a linear layer's descriptor, else refuse.
+    A descriptor with ``activations="int8"`` takes its input rows quantized (decode.c's matmul,
+    minserve/quant/activations.py), as the layer's own forward does."""
     if not hasattr(module, "descriptor"):
         raise KernelUnavailable(f"{name}: {type(module).__name__} has no descriptor(); the fused "
                                 "decode kernel binds weights only through descriptors")
@@ -165,7 +170,11 @@ def _weight(name: str, module, out: int, inp: int, bias_ok: bool = False):
         raise KernelUnavailable(f"{name} has a bias, which the fused decode kernel does not apply")
     bias = None if d.bias is None else _f32(f"{name}.bias", d.bias, (out,))
     fmt, (data, kind), scales, mins, group = _FORMATS[d.format](name, d, out, inp)
-    w = _Weight(fmt, _void(data, kind), _ptr(scales), _ptr(mins), _ptr(bias), group)
+    act_int8 = d.activations == "int8"
+    if act_int8 and (fmt == WEIGHT_F32 or inp % A8_BLOCK):
+        raise KernelUnavailable(f"{name}: {d.describe()}: int8 activations need a quantized matrix "
+                                f"whose in_features divide into blocks of {A8_BLOCK}")
+    w = _Weight(fmt, _void(data, kind), _ptr(scales), _ptr(mins), _ptr(bias), group, act_int8)
     return w, [t for t in (data, scales, mins, bias) if t is not None]
 
 
@@ -279,8 +288,9 @@ class FusedDecoder:
         cfg = model.config
         e, qkv = cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         attn, inter = cfg.num_heads * cfg.head_dim, cfg.intermediate_size
-        # xs: an int4 matrix's input in its nibble order (decode.c's matmul), as wide as any input.
-        sizes = dict(h=e, x=e, qkv=qkv, attn=attn, gate_up=2 * inter, act=inter, xs=max(e, attn, inter))
+        # xs: an int4 matrix's input in its nibble order, or int8 activations (decode.c's matmul),
+        # as wide as any input, plus one float per row.
+        sizes = dict(h=e, x=e, qkv=qkv, attn=attn, gate_up=2 * inter, act=inter, xs=max(e, attn, inter) + 1)
         self._buffers = {n: torch.empty(limit, size) for n, size in sizes.items()}
         self._scores = torch.empty(0)
         self._scratch = _Scratch(*[_ptr(self._buffers[n]) for n in sizes], _ptr(self._scores), 0)

@@ -12,13 +12,16 @@
  * quant_dot.h restates it). Prefill (many input rows) is better served by ms_*_dequantize +
  * PyTorch's GEMM: kernels/quant.py has the measurement and the crossover.
  *
- * Not used: VNNI (vpdpbusd) multiplies int8 by int8, so x would have to be quantized too (W8A8,
- * other numerics than the W8A16 / W4A16 contract that the torch reference defines).
+ * With int8 activations (quantization_config "activations": "int8"), the same weights run through
+ * quant_a8.h's VNNI loops instead: x is quantized to int8 blocks first (W8A8 / W4A8, other
+ * numerics, whose torch reference is minserve/quant/activations.py).
  */
-#include "quant_dot.h"
+#include "quant_a8.h"   /* and quant_dot.h */
 
-/* Which of quant_dot.h's paths this build compiled (tests/test_quant_kernels.py checks it). */
+/* Which of quant_dot.h's and quant_a8.h's paths this build compiled (tests/test_quant_kernels.py
+ * checks them). */
 const char *ms_quant_isa(void) { return QUANT_ISA; }
+const char *ms_a8_isa(void) { return A8_ISA; }
 
 static int team_size(int64_t nthreads) { return nthreads > 0 ? (int)nthreads : omp_get_max_threads(); }
 
@@ -78,4 +81,24 @@ void ms_int4_dequantize(const uint8_t *packed, const float *scales, const float 
             }
         }
     }
+}
+
+/* quant_a8.h's entry points, for the tests against minserve/quant/activations.py: x [B, in] ->
+ * the block codes (in the order of int4 weights when int4_order, else in column order), scales,
+ * sums, and the int8 weights' shift per row. */
+void ms_quantize_a8(const float *x, int64_t B, int64_t in, int64_t int4_order, int8_t *codes, float *d,
+                    float *xsum, float *shift) {
+    Activations8 act = {codes, d, xsum, shift};
+    quantize_a8(x, B, in, (int)int4_order, act);
+}
+
+/* y = x @ W^T (+ bias) with x quantized in blocks of 32 (in % 32 == 0, else -1). scratch: B * in + B
+ * floats. bits: 8 (codes int8 [out, in], scales [out]) or 4 (packed, scales, mins as ms_int4_linear). */
+int64_t ms_linear_a8(int64_t bits, const void *codes, const float *scales, const float *mins,
+                     int64_t group, const float *bias, const float *x, float *scratch, float *y,
+                     int64_t B, int64_t in, int64_t out, int64_t accumulate, int64_t nthreads) {
+    if (in % A8_BLOCK || (bits == 4 && (group % A8_BLOCK || in % group)) || (bits != 4 && bits != 8))
+        return -1;
+    QWeight w = {(int)bits, codes, scales, mins, bias, group, in, out};
+    return qmatmul_a8(&w, x, a8_scratch(scratch, B, in), y, B, (int)accumulate, team_size(nthreads));
 }

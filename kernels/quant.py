@@ -48,6 +48,9 @@ _SIGNATURES = {   # name: (restype, argtypes), as declared in quant.c
     "ms_int4_dequantize": (None, [_P, _P, _P, _I, _P, _I, _I, _I, _I]),
     "ms_int4_order_columns": (None, [_P, _P, _I]),
     "ms_quant_isa": (ctypes.c_char_p, []),
+    "ms_a8_isa": (ctypes.c_char_p, []),
+    "ms_quantize_a8": (None, [_P, _I, _I, _I, _P, _P, _P, _P]),
+    "ms_linear_a8": (_I, [_I, _P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I]),
 }
 
 
@@ -72,6 +75,12 @@ def kernel_isa() -> str | None:
     """Which code path quant.c compiled for this CPU ("avx512", "avx2", "portable"), or None."""
     lib = _lib()
     return lib.ms_quant_isa().decode() if lib is not None else None
+
+
+def a8_isa() -> str | None:
+    """Which int8-activation loops quant.c compiled ("avx512-vnni" or "portable"), or None."""
+    lib = _lib()
+    return lib.ms_a8_isa().decode() if lib is not None else None
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -197,3 +206,45 @@ def _tiled_linear(x: torch.Tensor, dequantize, bias: torch.Tensor | None, out: i
         dequantize(r0, r1, w)
         y[:, r0:r1] = F.linear(x, w, None if bias is None else bias[r0:r1])
     return y
+
+
+def linear_a8(x: torch.Tensor, bits: int, codes: torch.Tensor, scales: torch.Tensor,
+              mins: torch.Tensor | None, group_size: int, bias: torch.Tensor | None = None,
+              num_threads: int = 0) -> torch.Tensor:
+    """The int8-activation product (W8A8 for ``bits=8``, W4A8 for ``bits=4``) of
+    minserve/quant/activations.py, in C (kernels/quant_a8.h): ``x [..., in]`` -> ``[..., out]``.
+
+    Weights as :func:`int8_linear` / :func:`int4_linear` take them (``mins`` and ``group_size``
+    for int4 only); ``in_features`` must be a multiple of 32. One path for every row count: the
+    integer loops are what make this format fast, at prefill too. Without the C kernels, the torch
+    reference answers (slow, same arithmetic).
+    """
+    from minserve.quant import activations as ref
+    if bits == 8:
+        out, in_features = codes.shape
+        _check_tensor(codes, "int8 codes", torch.int8, (out, in_features))
+        _check_tensor(scales, "int8 scales", torch.float32, (out,))
+    elif bits == 4:
+        out, in_features = codes.shape[0], 2 * codes.shape[1]
+        from minserve.quant.formats import check_group_size
+        check_group_size(group_size, in_features, out)
+        _check_tensor(codes, "packed int4 codes", torch.uint8, (out, in_features // 2))
+        for t, name in ((scales, "int4 scales"), (mins, "int4 mins")):
+            _check_tensor(t, name, torch.float32, (out, in_features // group_size))
+    else:
+        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    if in_features % ref.BLOCK:
+        raise ValueError(f"int8 activations need in_features divisible by {ref.BLOCK}, got {in_features}")
+    x2 = _check_input(x, bias, out, in_features, num_threads, "auto")
+    lib, rows = _lib(), x2.shape[0]
+    if lib is None:
+        y = (ref.int8_linear_a8(x2, codes, scales, bias) if bits == 8
+             else ref.int4_linear_a8(x2, codes, scales, mins, group_size, bias))
+        return y.reshape(*x.shape[:-1], out)
+    y = torch.empty(rows, out)
+    if rows:
+        scratch = torch.empty(rows * in_features + rows)
+        lib.ms_linear_a8(bits, codes.data_ptr(), scales.data_ptr(), _ptr(mins), group_size if bits == 4 else 0,
+                         _ptr(bias), x2.data_ptr(), scratch.data_ptr(), y.data_ptr(), rows, in_features,
+                         out, 0, num_threads)
+    return y.reshape(*x.shape[:-1], out)

@@ -184,6 +184,9 @@ class EngineConfig:
             raise ValueError(f"quantization_config={qc!r} needs a format: quantization='int4' (or int8, int4-awq)")
         self.quantization_config = qc
         self.quant_scheme = None if self.quantization is None else make_scheme(self.quantization, qc)
+        if getattr(self.quant_scheme, "activations", "float") == "int8" and self.device != "cpu":
+            raise ValueError(f"quantization_config['activations']='int8' has kernels for the CPU only "
+                             f"(device={self.device!r}); leave it 'float' on a GPU")
         self.memory_budget_bytes = None
         if self.memory_budget is not None:
             self.memory_budget_bytes = parse_bytes(self.memory_budget, "memory_budget")

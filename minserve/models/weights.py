@@ -31,6 +31,9 @@ class WeightDescriptor:
     # w = q * scale + m; not an integer zero point z in (q - z) * scale.
     zero_points: torch.Tensor | None = None
     group_size: int | None = None     # input features per scale (None: one scale per output row)
+    # How the input rows meet the weights: "float", or "int8" (quantized on the fly in blocks of
+    # 32 and multiplied as integers: W8A8 / W4A8, minserve/quant/activations.py).
+    activations: str = "float"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -46,7 +49,8 @@ class WeightDescriptor:
         """e.g. ``dense float32 [576 x 1536]`` or ``int4 g32 [576 x 1536]``: for error messages."""
         kind = f"{self.format} {str(self.dtype).removeprefix('torch.')}" if self.format == DENSE else (
             f"{self.format}" + (f" g{self.group_size}" if self.group_size else ""))
-        return f"{kind} [{self.out_features} x {self.in_features}]"
+        act = " a8" if self.activations == "int8" else ""
+        return f"{kind}{act} [{self.out_features} x {self.in_features}]"
 
 
 def load_rows(param: torch.nn.Parameter, tensor: torch.Tensor, start: int = 0) -> None:

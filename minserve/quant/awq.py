@@ -189,9 +189,9 @@ class AWQScheme(Int4Scheme):
     name = "int4-awq"
 
     def __init__(self, group_size: int = INT4_DEFAULT_GROUP_SIZE, fallback: bool = False,
-                 lm_head: str = DEFAULT_LM_HEAD["int4-awq"], calibration=None,
-                 max_calibration_tokens: int = 512, n_grid: int = 11):
-        super().__init__(group_size, fallback, lm_head)
+                 lm_head: str = DEFAULT_LM_HEAD["int4-awq"], activations: str = "float",
+                 calibration=None, max_calibration_tokens: int = 512, n_grid: int = 11):
+        super().__init__(group_size, fallback, lm_head, activations)
         for key, v, lo in (("max_calibration_tokens", max_calibration_tokens, 16), ("n_grid", n_grid, 2)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"quantization_config[{key!r}] must be an integer >= {lo}, got {v!r}")

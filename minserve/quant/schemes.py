@@ -11,7 +11,9 @@
 ``quantization_config`` keys (vLLM passes a checkpoint's quantization config as a dict; ours is the
 recipe applied at load time): ``group_size`` (int4*), ``fallback`` (int4*: a layer the group size
 does not divide takes the largest allowed size that does, instead of a ValueError), ``lm_head``
-("quantize" | "keep", and "int8" for the int4 formats: see below), and for int4-awq
+("quantize" | "keep", and "int8" for the int4 formats: see below), ``activations`` ("float", the
+default, or "int8": decode steps on the fused CPU path quantize each quantized matrix's inputs in
+blocks of 32 and use integer dot products, W8A8 / W4A8, see minserve/quant/activations.py), and for int4-awq
 ``calibration`` (a path to a ``.jsonl`` of ``{"text"}`` rows, or a list of strings),
 ``max_calibration_tokens`` and ``n_grid``.
 
@@ -36,7 +38,8 @@ from torch import nn
 
 from minserve.models.layers import Linear
 from minserve.models.weights import WeightDescriptor
-from minserve.quant import formats
+from minserve.quant import activations, formats
+from minserve.quant.activations import ACTIVATIONS
 from minserve.quant.sizes import INT4_DEFAULT_GROUP_SIZE, resolve_group_size
 from minserve.quant.swap import QuantScheme, quantize_
 
@@ -46,9 +49,9 @@ QUANTIZATION_METHODS = ("int8", "int4", "int4-awq")
 LM_HEAD_CHOICES = {"int8": ("quantize", "keep"), "int4": ("int8", "quantize", "keep"),
                    "int4-awq": ("int8", "quantize", "keep")}
 DEFAULT_LM_HEAD = {"int8": "quantize", "int4": "int8", "int4-awq": "int8"}
-CONFIG_KEYS = {"int8": ("lm_head",), "int4": ("group_size", "fallback", "lm_head"),
-               "int4-awq": ("group_size", "fallback", "lm_head", "calibration", "max_calibration_tokens",
-                            "n_grid")}
+CONFIG_KEYS = {"int8": ("lm_head", "activations"), "int4": ("group_size", "fallback", "lm_head", "activations"),
+               "int4-awq": ("group_size", "fallback", "lm_head", "activations", "calibration",
+                            "max_calibration_tokens", "n_grid")}
 KERNELS = ("auto", "reference")
 
 
@@ -56,6 +59,9 @@ class _QuantLinear(nn.Module):
     """What Int8Linear and Int4Linear share: sizes, bias, the kernel choice, float32 scales."""
 
     kernel: str = "auto"   # "reference": dequantize + F.linear everywhere (tests compare the two)
+    # "int8": inputs quantized in blocks of 32 on every path (minserve/quant/activations.py);
+    # set by the scheme (quantization_config["activations"]) for layers with in_features % 32 == 0.
+    activations: str = "float"
 
     def __init__(self, linear: Linear):
         super().__init__()
@@ -85,7 +91,10 @@ class _QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         path, x2 = self._path(x), x.reshape(-1, self.in_features)
-        if path == "cpu":  # the C kernels take float32 (a bf16 CPU model converts at the edges)
+        if self.activations == "int8":  # C loops on the CPU; elsewhere the torch reference (slow)
+            bias = None if self.bias is None else self.bias.float()
+            y = self._a8(x2.float().contiguous(), bias, path == "cpu").to(x.dtype)
+        elif path == "cpu":  # the C kernels take float32 (a bf16 CPU model converts at the edges)
             bias = None if self.bias is None else self.bias.float()
             y = self._cpu(x2.float().contiguous(), bias).to(x.dtype)
         elif path == "triton":
@@ -114,13 +123,20 @@ class Int8Linear(_QuantLinear):
         from minserve.kernels.quant import int8_linear
         return int8_linear(x, self.codes, self.scales, bias)
 
+    def _a8(self, x, bias, c_kernel: bool):
+        if c_kernel:
+            from minserve.kernels.quant import linear_a8
+            return linear_a8(x, 8, self.codes, self.scales, None, 0, bias)
+        return activations.int8_linear_a8(x, self.codes, self.scales, bias)
+
     def _triton(self, x):
         from minserve.kernels.triton import w8a16_matmul
         return w8a16_matmul(x, self.codes, self.scales, self.bias)
 
     def descriptor(self) -> WeightDescriptor:
         return WeightDescriptor("int8", self.in_features, self.out_features, self.codes,
-                                None if self.bias is None else self.bias.data, scales=self.scales)
+                                None if self.bias is None else self.bias.data, scales=self.scales,
+                                activations=self.activations)
 
 
 class Int4Linear(_QuantLinear):
@@ -142,6 +158,12 @@ class Int4Linear(_QuantLinear):
         from minserve.kernels.quant import int4_linear
         return int4_linear(x, self.packed, self.scales, self.mins, self.group_size, bias)
 
+    def _a8(self, x, bias, c_kernel: bool):
+        if c_kernel:
+            from minserve.kernels.quant import linear_a8
+            return linear_a8(x, 4, self.packed, self.scales, self.mins, self.group_size, bias)
+        return activations.int4_linear_a8(x, self.packed, self.scales, self.mins, self.group_size, bias)
+
     def _triton(self, x):
         from minserve.kernels.triton import w4a16_matmul
         return w4a16_matmul(x, self.packed, self.scales, self.mins, self.group_size, self.bias)
@@ -149,32 +171,48 @@ class Int4Linear(_QuantLinear):
     def descriptor(self) -> WeightDescriptor:
         return WeightDescriptor("int4", self.in_features, self.out_features, self.packed,
                                 None if self.bias is None else self.bias.data, scales=self.scales,
-                                zero_points=self.mins, group_size=self.group_size)
+                                zero_points=self.mins, group_size=self.group_size,
+                                activations=self.activations)
 
 
 class Int8Scheme(QuantScheme):
     name = "int8"
 
-    def __init__(self, lm_head: str = DEFAULT_LM_HEAD["int8"]):
+    def __init__(self, lm_head: str = DEFAULT_LM_HEAD["int8"], activations: str = "float"):
         if lm_head not in LM_HEAD_CHOICES[self.name]:
             raise ValueError(f"quantization_config['lm_head'] must be one of {list(LM_HEAD_CHOICES[self.name])} "
                              f"for quantization={self.name!r}, got {lm_head!r}")
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"quantization_config['activations'] must be one of {list(ACTIVATIONS)}, "
+                             f"got {activations!r}")
         self.head = lm_head  # the config's choice; swap.py's policy below is whether to convert it
         self.lm_head = "keep" if lm_head == "keep" else "quantize"
+        # "int8": the fused CPU decode step quantizes each quantized matrix's input rows
+        # (minserve/quant/activations.py); the weights themselves are the same either way.
+        self.activations = activations
 
     def convert(self, name: str, linear: Linear) -> nn.Module:
-        return Int8Linear(linear)
+        return self._with_activations(Int8Linear(linear))
+
+    def _with_activations(self, layer: _QuantLinear) -> _QuantLinear:
+        # int8 activations come in blocks of 32 columns; a layer they do not divide keeps float ones.
+        if self.activations == "int8" and layer.in_features % activations.BLOCK == 0:
+            layer.activations = "int8"
+        return layer
 
     def label(self) -> str:
-        return f"{self.name} lm_head={self.head}"
+        return f"{self.name} lm_head={self.head}{self._act_label()}"
+
+    def _act_label(self) -> str:   # decode numerics differ, so prefix-cache fingerprints must too
+        return " act=int8" if self.activations == "int8" else ""
 
 
 class Int4Scheme(Int8Scheme):
     name = "int4"
 
     def __init__(self, group_size: int = INT4_DEFAULT_GROUP_SIZE, fallback: bool = False,
-                 lm_head: str = DEFAULT_LM_HEAD["int4"]):
-        super().__init__(lm_head)
+                 lm_head: str = DEFAULT_LM_HEAD["int4"], activations: str = "float"):
+        super().__init__(lm_head, activations)
         resolve_group_size(group_size, group_size)  # an allowed size at all (ValueError otherwise)
         self.group_size, self.fallback = group_size, fallback
 
@@ -184,11 +222,12 @@ class Int4Scheme(Int8Scheme):
 
     def convert(self, name: str, linear: Linear) -> nn.Module:
         if name == "lm_head" and self.head == "int8":
-            return Int8Linear(linear)
-        return Int4Linear(linear, self.group_size_of(name, linear))
+            return self._with_activations(Int8Linear(linear))
+        return self._with_activations(Int4Linear(linear, self.group_size_of(name, linear)))
 
     def label(self) -> str:
-        return f"{self.name} g{self.group_size}{' fallback' if self.fallback else ''} lm_head={self.head}"
+        return (f"{self.name} g{self.group_size}{' fallback' if self.fallback else ''} lm_head={self.head}"
+                f"{self._act_label()}")
 
     def check_model(self, model: nn.Module) -> None:
         """Every group size resolves before anything is converted: a refused layer must not
