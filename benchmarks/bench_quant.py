@@ -6,7 +6,8 @@ each step's time goes, and llama.cpp on the same GGUF at batch 1.
     .venv/bin/python benchmarks/bench_quant.py --rows fp32,int4,"int4 kv=int8"
 
 Rows (ROWS): fp32, int8, int4 with groups of 32 / 64 / 128 (``fallback``: 64 where 128 does not
-divide), int4-awq, and the int8 KV cache beside fp32 and int4. Every engine is built first; then
+divide), int4-awq, the int8 KV cache beside fp32 and int4, and int8 / int4 with int8 activations
+(``a8``: ``quantization_config={"activations": "int8"}``, minserve/quant/activations.py). Every engine is built first; then
 each repetition measures every row in turn, so each ratio compares timings from the same moments
 of a shared, noisy host, and the table gives medians. Per row:
 - *weight MiB*: resident and streamed per decode step (``runner.weight_footprint()``);
@@ -63,8 +64,8 @@ ROWS = {"fp32": (None, None, "auto"), "int8": ("int8", None, "auto"),
         "int4 a8": ("int4", {"activations": "int8"}, "auto"),
         "int4 a8 kv=int8": ("int4", {"activations": "int8"}, "int8")}
 QUICK_ROWS = ["fp32", "int8", "int4 g32", "int4 kv=int8"]
-TARGETS = {"decode_b1": {"int8": 2.5, "int4 g32": 3.5}, "prefill": 0.8, "decode_b16": {"int4 g32": 2.0},
-           "llama_cpp": 1.0}
+TARGETS = {"decode_b1": {"int8": 2.5, "int4 g32": 3.5}, "prefill": 0.8,
+           "decode_b16": {"int4 g32": 2.0, "int4 a8": 2.0, "int4 a8 kv=int8": 2.0}, "llama_cpp": 1.0}
 LLAMA_CPP_INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=ON" .venv/bin/pip install --no-deps llama-cpp-python '
                      "&& .venv/bin/pip install numpy typing-extensions diskcache jinja2")
 

@@ -609,6 +609,13 @@ This run's numbers are above and in `labs/results/05.json`.
   table: what happens to resident and streamed bytes, and why is its gate row identical to fp32's?
 - With `ex.plan_format`, find the memory budget at which int4 weights with an int8 KV cache hold
   64 sequences of 4096 tokens. How much would fp32 need?
+- In a batch the arithmetic, not the bytes, sets the pace. Int8 activations change the arithmetic:
+  each layer quantizes its inputs to int8 and multiplies with integer dot products (README, "Int8
+  activations"). Race it:
+  `more = ex.build_engines(P5, {"int4 a8": "int4:activations=int8"}, **ENGINE)`, then
+  `ex.decode_race({**engines, **more}, ex.prose_prompts(tok, BATCH), DECODE_TOKENS)` and the same
+  with one prompt. What happens to its speed-up at batch 1 and at batch `BATCH`, and why? Then
+  gate it with `minserve eval --quantization fp32,int4,int4:activations=int8`: which error grew?
 """)
 
 print(write("05_quantization.ipynb"))
