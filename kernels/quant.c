@@ -89,7 +89,7 @@ void ms_int4_dequantize(const uint8_t *packed, const float *scales, const float 
 void ms_quantize_a8(const float *x, int64_t B, int64_t in, int64_t int4_order, int8_t *codes, float *d,
                     float *xsum, float *shift) {
     Activations8 act = {codes, d, xsum, shift};
-    quantize_a8(x, B, in, (int)int4_order, act);
+    quantize_a8(x, B, in, (int)int4_order, act, omp_get_max_threads());
 }
 
 /* y = x @ W^T (+ bias) with x quantized in blocks of 32 (in % 32 == 0, else -1). scratch: B * in + B

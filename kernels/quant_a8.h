@@ -49,7 +49,27 @@ static inline int64_t a8_source_column(int int4_order, int i) {
     return int4_order ? 8 * (i / 8) + 2 * (i % 4) + (i % 8 >= 4) : i;
 }
 
-/* One block of 32: its scale d (returned) and sum; codes round(x / d), half to even as torch.round. */
+/* One block of 32: its scale d (returned), its sum, and its codes round(x / d) (half to even, as
+ * torch.round: the default rounding mode), in the order int4_order says. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline float quantize_block(const float *xb, int int4_order, int8_t *out, float *sum_out) {
+    __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    float d = amax / 127.0f;
+    __m512 div = _mm512_set1_ps(d > 0.f ? d : 1.0f);
+    const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
+    __m512i qlo = _mm512_cvtps_epi32(_mm512_div_ps(lo, div)), qhi = _mm512_cvtps_epi32(_mm512_div_ps(hi, div));
+    qlo = _mm512_max_epi32(_mm512_min_epi32(qlo, top), bottom);
+    qhi = _mm512_max_epi32(_mm512_min_epi32(qhi, top), bottom);
+    __m256i codes = _mm256_set_m128i(_mm512_cvtepi32_epi8(qhi), _mm512_cvtepi32_epi8(qlo));
+    if (int4_order)   /* within each 8 columns: the 4 even ones, then the 4 odd ones */
+        codes = _mm256_shuffle_epi8(codes, _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,
+                                                            0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
+    _mm256_storeu_si256((__m256i *)out, codes);
+    *sum_out = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    return d;
+}
+#else
 static inline float quantize_block(const float *xb, int int4_order, int8_t *out, float *sum_out) {
     float amax = 0.f, sum = 0.f;
     for (int i = 0; i < A8_BLOCK; i++) {
@@ -64,11 +84,14 @@ static inline float quantize_block(const float *xb, int int4_order, int8_t *out,
     *sum_out = sum;
     return d;
 }
+#endif
 
 /* Quantize x [B, in] (in % 32 == 0) block by block into act, and for int8 weights each row's
- * shift (see int8_a8_tile). */
-static void quantize_a8(const float *x, int64_t B, int64_t in, int int4_order, Activations8 act) {
+ * shift (see int8_a8_tile). Rows split over the team: prefill quantizes hundreds of them. */
+static void quantize_a8(const float *x, int64_t B, int64_t in, int int4_order, Activations8 act,
+                        int nthreads) {
     int64_t blocks = in / A8_BLOCK;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (B * in >= 16384)
     for (int64_t b = 0; b < B; b++) {
         float shift = 0.f;
         for (int64_t k = 0; k < blocks; k++) {
@@ -295,7 +318,7 @@ int8_a8_tile(const QWeight *w, int64_t r0, int64_t r1, Activations8 act, float *
  * Returns the team size. */
 static int64_t qmatmul_a8(const QWeight *w, const float *x, Activations8 act, float *y, int64_t B,
                           int accumulate, int nthreads) {
-    quantize_a8(x, B, w->in, w->bits == 4, act);
+    quantize_a8(x, B, w->in, w->bits == 4, act, nthreads);
     int64_t tiles = (w->out + ROW_TILE - 1) / ROW_TILE, team = 1;
     #pragma omp parallel num_threads(nthreads)
     {
