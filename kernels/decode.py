@@ -100,6 +100,8 @@ def rows_block_tables(query_lens: list[int], block_tables: list[list[int]]) -> t
                          f"for {len(block_tables)} tables")
     n = max(1, max(len(t) for t in block_tables))
     padded = torch.tensor([list(t) + [0] * (n - len(t)) for t in block_tables], dtype=torch.int64)
+    if max(query_lens) == 1:   # a decode step: one row per table, nothing to repeat
+        return padded
     return padded.repeat_interleave(torch.tensor(query_lens), dim=0)
 
 
@@ -332,8 +334,8 @@ class FusedDecoder:
         # Named locals: the C call reads raw pointers, so every tensor must outlive it.
         ids, pos = input_ids.contiguous(), positions.contiguous()
         tables, rows = block_tables.contiguous(), logits_indices.contiguous()
-        self._check(ids, pos, tables, rows)
-        self._ensure_scores(ids.shape[0], int(pos.max()) + 1)
+        last_position = self._check(ids, pos, tables, rows)
+        self._ensure_scores(ids.shape[0], last_position + 1)
         logits = torch.empty(rows.shape[0], self._model.vocab)
         team = self._lib.ms_decode_step(
             ctypes.byref(self._model), ctypes.byref(self._scratch), _I64(ids.shape[0]),
@@ -356,7 +358,8 @@ class FusedDecoder:
         self._lib.ms_step_profile(ctypes.c_int(_PROFILE_CLOCKS[clock]), sums)
         return dict(zip(STEP_PARTS, sums))
 
-    def _check(self, ids, pos, tables, rows) -> None:
+    def _check(self, ids, pos, tables, rows) -> int:
+        """Refuse any index C would trust blindly; returns the largest position (scores scratch)."""
         # C trusts every index it is given; a bad one would read or write outside the buffers.
         if any(t.dtype != torch.int64 for t in (ids, pos, tables, rows)):
             raise ValueError("token ids, positions, block tables and logit rows must be int64")
@@ -366,14 +369,18 @@ class FusedDecoder:
             raise ValueError(f"batch of rows must be in [1, {self.max_rows}] with one position and one "
                              f"block table per row, got {tuple(ids.shape)}, {tuple(pos.shape)}, "
                              f"{tuple(tables.shape)}")
-        if int(ids.min()) < 0 or int(ids.max()) >= self._model.vocab:
+        # One aminmax per tensor (each small reduction costs a dispatch, paid every step).
+        (id_lo, id_hi), (pos_lo, pos_hi), (t_lo, t_hi) = (
+            [int(v) for v in torch.aminmax(t)] for t in (ids, pos, tables))
+        if id_lo < 0 or id_hi >= self._model.vocab:
             raise ValueError(f"token ids must be in [0, {self._model.vocab})")
         limit = min(tables.shape[1] * self._model.block_size, self._positions)
-        if int(pos.min()) < 0 or int(pos.max()) >= limit:
+        if pos_lo < 0 or pos_hi >= limit:
             raise ValueError(f"positions must be in [0, {limit}), got {pos.tolist()}")
-        if int(tables.min()) < 0 or int(tables.max()) >= self._blocks:
+        if t_lo < 0 or t_hi >= self._blocks:
             raise ValueError(f"block ids must be in [0, {self._blocks})")
         # The final norm writes one scratch row per logit row: at most n of them.
         if rows.dim() != 1 or rows.shape[0] > n or (
                 rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n)):
             raise ValueError(f"logit rows must be at most {n} indices in [0, {n}), got {rows.tolist()}")
+        return pos_hi

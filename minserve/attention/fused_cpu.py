@@ -28,6 +28,11 @@ class FusedCpuBackend(AttentionBackend):
     def __init__(self, decoder, max_query_len: int):
         self.decoder = decoder                # kernels.decode.FusedDecoder, bound to model and cache
         self.max_query_len = max_query_len    # rows per sequence it takes (1 + proposals)
+        # The last step's (query lens, block tables), copied, and the rows' tables built from them:
+        # a sequence's table changes once per block_size tokens, so most decode steps reuse the
+        # tensor instead of paying two tensor builds and a repeat_interleave per token.
+        self._last_tables_key: tuple[list[int], list[list[int]]] | None = None
+        self._last_tables: torch.Tensor | None = None
 
     def unsupported_reason(self, seqs: StepSequences) -> str | None:
         if not seqs.query_lens:
@@ -40,7 +45,11 @@ class FusedCpuBackend(AttentionBackend):
         return None
 
     def build_metadata(self, seqs: StepSequences) -> FusedStepMetadata:
-        return FusedStepMetadata(rows_block_tables(seqs.query_lens, seqs.block_tables))
+        # Compared by value: the KV manager grows the very lists it hands out, so the key is a copy.
+        if self._last_tables_key != (seqs.query_lens, seqs.block_tables):
+            self._last_tables = rows_block_tables(seqs.query_lens, seqs.block_tables)
+            self._last_tables_key = (list(seqs.query_lens), [list(t) for t in seqs.block_tables])
+        return FusedStepMetadata(self._last_tables)
 
     def run(self, input_ids, positions, metadata: FusedStepMetadata, logits_indices, num_threads):
         return self.decoder(input_ids, positions, metadata.block_tables, logits_indices, num_threads)

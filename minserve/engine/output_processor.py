@@ -19,11 +19,36 @@ from minserve.sampling_params import RequestOutputKind
 DETOKENIZE_CONTEXT_TOKENS = 6  # tokens of left context decoded with each new token
 
 
+def direct_decoder(tokenizer):
+    """A function ``(ids, skip_special_tokens) -> str`` equal to ``tokenizer.decode``, which every
+    token calls twice (and once per logprob entry). For a transformers tokenizer whose ``decode`` is
+    the library's own and does no space clean-up, that call only forwards a list of ids to the Rust
+    tokenizer: calling it directly skips the Python layers in between (conversions, keyword
+    handling). Anything else, or another transformers layout, keeps ``tokenizer.decode``."""
+    def through_decode(ids, skip):
+        return tokenizer.decode(ids, skip_special_tokens=skip)
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return through_decode
+    cls = type(tokenizer)
+    if not (isinstance(tokenizer, TokenizersBackend) and cls.decode is PreTrainedTokenizerBase.decode
+            and cls._decode is TokenizersBackend._decode and tokenizer.clean_up_tokenization_spaces is False):
+        return through_decode
+    rust = tokenizer.backend_tokenizer
+
+    def direct(ids, skip):
+        return rust.decode(ids, skip_special_tokens=skip)
+    return direct
+
+
 class OutputProcessor:
     def __init__(self, tokenizer, max_model_len: int, clock_offset_s: float):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.clock_offset_s = clock_offset_s  # time.time() - time.perf_counter() at engine start
+        self._decoder_of, self._decoder = None, None  # see _decode
 
     def append_token(self, req: Request, token_id: int, logprobs, rank,
                       now: float | None = None) -> RequestStatus | None:
@@ -68,8 +93,8 @@ class OutputProcessor:
         character is held back until the next token completes the UTF-8 sequence."""
         ids, skip = req.output_token_ids, req.params.skip_special_tokens
         start, read = req.detok_prefix_offset, req.detok_read_offset
-        before = self.tokenizer.decode(ids[start:read], skip_special_tokens=skip)
-        after = self.tokenizer.decode(ids[start:], skip_special_tokens=skip)
+        before = self._decode(ids[start:read], skip)
+        after = self._decode(ids[start:], skip)
         if len(after) > len(before) and (final or not after.endswith("\ufffd")):
             req.output_text += after[len(before):]
             req.detok_prefix_offset = max(0, len(ids) - DETOKENIZE_CONTEXT_TOKENS)
@@ -166,10 +191,17 @@ class OutputProcessor:
     def _logprob_dict(self, entries: list[tuple[int, float]], sampled_rank: int | None) -> dict[int, Logprob]:
         """vLLM's layout: the sampled token first, then the top-N by rank (it may repeat)."""
         sampled, lp = entries[0]
-        d: dict[int, Logprob] = {sampled: Logprob(lp, sampled_rank, self.tokenizer.decode([sampled]))}
+        d: dict[int, Logprob] = {sampled: Logprob(lp, sampled_rank, self._decode([sampled], False))}
         for rank, (tok, tok_lp) in enumerate(entries[1:], start=1):
-            d.setdefault(tok, Logprob(tok_lp, rank, self.tokenizer.decode([tok])))
+            d.setdefault(tok, Logprob(tok_lp, rank, self._decode([tok], False)))
         return d
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        """``self.tokenizer.decode(ids, skip_special_tokens=...)``, through :func:`direct_decoder`
+        (looked up again when the tokenizer is replaced)."""
+        if self._decoder_of is not self.tokenizer:
+            self._decoder_of, self._decoder = self.tokenizer, direct_decoder(self.tokenizer)
+        return self._decoder(ids, skip_special_tokens)
 
     def parent_metrics(self, parent: ParentRequest) -> RequestMetrics:
         """A request's metrics over its samples: its arrival and admission (sample 0's), its
