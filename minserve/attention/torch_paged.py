@@ -23,6 +23,18 @@ from minserve.attention.metadata import AttentionMetadata
 from minserve.kernels.triton.reference import dequantize_kv_int8, write_kv_int8
 
 
+def write_new_kv(k: torch.Tensor, v: torch.Tensor, caches: tuple, slot_mapping: torch.Tensor) -> None:
+    """The step's new keys and values [T, Hkv, D] into their slots of ``caches`` = (k_cache,
+    v_cache, k_scales, v_scales): copied into a float cache, quantized on write into an int8 one."""
+    k_cache, v_cache, k_scales, v_scales = caches
+    if k_scales is None:
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+    else:
+        write_kv_int8(k_cache, k_scales, slot_mapping, k)
+        write_kv_int8(v_cache, v_scales, slot_mapping, v)
+
+
 class TorchPagedAttention:
     name = "torch"
 
@@ -35,12 +47,7 @@ class TorchPagedAttention:
                  k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> attention output [T, H * D]. ``k_scales``/``v_scales``:
         given for an int8 cache (one float32 per slot and kv head), None for a float one."""
-        if k_scales is None:
-            k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-            v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
-        else:
-            write_kv_int8(k_cache, k_scales, meta.slot_mapping, k)
-            write_kv_int8(v_cache, v_scales, meta.slot_mapping, v)
+        write_new_kv(k, v, (k_cache, v_cache, k_scales, v_scales), meta.slot_mapping)
         caches = (k_cache, v_cache, k_scales, v_scales)
         if len(meta.groups) == 1:
             return self._group(q, caches, meta.groups[0])

@@ -75,10 +75,12 @@ class ModelRunner:
         self.model.rotary.build_tables(self.device)  # fp32 tables whatever the model dtype
         _log_weights(self.weight_footprint(), dense, config)
         _resolve_memory_budget(config, self.weight_footprint())
-        # The backend the PyTorch model attends through (torch here; Triton on CUDA later, via
-        # model.use_attention), and the list of step backends by preference (allocate_kv).
+        # The backend whose metadata any step can use (torch), the Triton decode backend on CUDA
+        # (its per-layer op serves torch metadata too, so the model attends through it), and the
+        # list of step backends by preference (allocate_kv).
         self.layer_backend = TorchAttentionBackend(config.block_size, self.device)
-        self.model.use_attention(self.layer_backend)
+        self.decode_backend = _triton_decode_backend(self.model.config, config, self.device)
+        self.model.use_attention(self.decode_backend or self.layer_backend)
         self.backends: list[AttentionBackend] = [self.layer_backend]
         # Profiling hook (CUDA): the weights are placed; run the largest step once and measure.
         self.device_memory: DeviceMemory | None = (
@@ -110,7 +112,10 @@ class ModelRunner:
         self.block_size = spec.block_size
         fused = _fused_decoder(self.model, self.kv_caches, self.config)
         self.layer_backend.block_size = spec.block_size
-        self.backends = ([FusedCpuBackend(fused, MAX_FUSED_QUERY_LEN)] if fused is not None else []) + [
+        decode = [self.decode_backend] if self.decode_backend is not None else []
+        for b in decode:
+            b.block_size = spec.block_size
+        self.backends = ([FusedCpuBackend(fused, MAX_FUSED_QUERY_LEN)] if fused is not None else []) + decode + [
             self.layer_backend]
 
     @property
@@ -362,6 +367,20 @@ def _fused_decoder(model, kv_caches, config: EngineConfig) -> FusedDecoder | Non
     (log.warning if broken else log.info)("decode steps run in PyTorch (fused decode kernel "
                                           "unavailable%s: %s)", kv, reason)
     return None
+
+
+def _triton_decode_backend(model_config, config: EngineConfig, device: torch.device):
+    """The Triton decode backend on CUDA when Triton is installed and the head size is one its
+    kernel compiles for; None elsewhere (the torch backend then runs every step)."""
+    from minserve.attention.triton_decode import TritonDecodeBackend, head_dim_supported
+    from minserve.kernels import triton as tk
+    if device.type != "cuda" or not tk.available():
+        return None
+    if not head_dim_supported(model_config.head_dim):
+        log.info("decode attention runs in PyTorch: head_dim %d is not a power of two in 16..256",
+                 model_config.head_dim)
+        return None
+    return TritonDecodeBackend(config.block_size, device)
 
 
 def _batch_bucket(batch: int) -> int:
