@@ -201,8 +201,8 @@ def _greedy(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
 
 def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)``, the same index in every case (the first maximum; a NaN counts as
-    the maximum). A CPU float32 row goes through numpy, whose argmax is vectorized: ~5 us for a
-    49k vocabulary against torch's ~45 us, paid by every greedy token (tests/test_step_overhead.py
+    the maximum). A CPU float32 row goes through numpy, whose single-threaded vectorized argmax
+    costs a fraction of torch's dispatch, paid by every greedy token (tests/test_step_overhead.py
     checks both agree, ties, infinities and NaNs included)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
         return torch.from_numpy(logits.numpy().argmax(axis=-1))
