@@ -174,6 +174,13 @@ def test_bad_activation_settings_name_the_key():
 
 # ---- the fused decode step ----------------------------------------------------------------------
 
+def _restore(kv, snapshot) -> None:
+    """Put every cache tensor back to its snapshot (a step writes its rows' K/V)."""
+    for layer, old in zip(kv, snapshot):
+        for t, t0 in zip(layer, old):
+            t.copy_(t0)
+
+
 def _relative(a, b):
     return ((a - b).abs().mean() / b.abs().mean()).item()
 
@@ -197,9 +204,7 @@ def test_fused_step_runs_int8_activations_like_the_torch_path(fmt, config, model
         out, ref, _, _ = _run_both(runner, contexts, query_lens, seed=i)
         assert _relative(out, ref) < 0.05
         assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
-        for layer, old in zip(runner.kv_caches, snapshot):   # the same cache for the float run
-            for t, t0 in zip(layer, old):
-                t.copy_(t0)
+        _restore(runner.kv_caches, snapshot)   # the same cache for the float run
         for m in runner.model.modules():
             if isinstance(m, (Int4Linear, Int8Linear)):
                 m.activations = "float"
@@ -209,9 +214,7 @@ def test_fused_step_runs_int8_activations_like_the_torch_path(fmt, config, model
                 m.activations = "int8"
         _assert_logits_close(float_out, float_ref)           # the float paths agree to fp32 error
         assert (out - float_out).abs().max() > 1e-3            # and the A8 step is another computation
-        for layer, old in zip(runner.kv_caches, snapshot):
-            for t, t0 in zip(layer, old):
-                t.copy_(t0)
+        _restore(runner.kv_caches, snapshot)
 
 
 def test_fused_rows_do_not_depend_on_their_neighbours(model_dirs):  # noqa: F811
@@ -226,9 +229,7 @@ def test_fused_rows_do_not_depend_on_their_neighbours(model_dirs):  # noqa: F811
     tables = rows_block_tables([1] * 4, [[3, 9, 4, 1], [7, 2], [11, 12, 13, 14], [20]])
     together = fused(ids, pos, tables, torch.arange(4))
     for r in range(4):
-        for layer, old in zip(kv, snapshot):
-            for t, t0 in zip(layer, old):
-                t.copy_(t0)
+        _restore(kv, snapshot)
         alone = fused(ids[r:r + 1], pos[r:r + 1], tables[r:r + 1], torch.arange(1))
         assert torch.equal(alone[0], together[r])
 
