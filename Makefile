@@ -1,6 +1,7 @@
 # minserve: set up the environment, open the labs, run the checks.
 #
-#   make lab     create .venv if needed, then start JupyterLab on labs/
+#   make lab     create .venv if needed, then start JupyterLab (the repository as its root, labs/ open)
+#   make labs-sync  rewrite each lab's .ipynb from its .py source (jupytext pairs, outputs cleared)
 #   make test    create .venv if needed, then run the pytest suite and every notebook
 #   make clean   remove the venv and build/test leftovers
 #
@@ -19,7 +20,7 @@ TORCH_PIP_ARGS ?=
 
 JUPYTER_ARGS ?=
 
-.PHONY: venv lab test clean
+.PHONY: venv lab labs-sync test clean
 
 venv: $(STAMP)
 
@@ -40,8 +41,25 @@ $(STAMP): pyproject.toml
 # Jupyter refuses to start as root unless told to; containers and CI boxes often run as root.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-lab: venv
-	$(VENV)/bin/jupyter lab labs/ $(ROOT_FLAG) $(JUPYTER_ARGS)
+# The server's root is the repository, not labs/: the labs link to the code they measure
+# (../minserve/..., ../kernels/...), and JupyterLab opens only files under its root. The browser
+# opens on labs/. The overrides file turns off JupyterLab's "get notified about news?" prompt.
+LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.json
+
+$(LAB_SETTINGS): binder/jupyterlab-overrides.json $(STAMP)
+	mkdir -p $(dir $@)
+	cp $< $@
+
+lab: venv $(LAB_SETTINGS)
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" --LabApp.default_url=/lab/tree/labs \
+		$(ROOT_FLAG) $(JUPYTER_ARGS)
+
+# Each lab has one source: labs/NN_name.py (jupytext's py:percent format), paired with the
+# notebook JupyterLab opens. Edit either one (JupyterLab with jupytext keeps both in step), then run
+# this; tests/test_lab_sources.py fails when a pair has drifted or a notebook carries outputs.
+labs-sync: venv
+	$(VENV)/bin/jupytext --sync labs/[0-9][0-9]_*.py
+	$(VPY) tests/lab_sources.py clear
 
 # One pytest run covers both: the unit tests under tests/ and, through nbval, every notebook under
 # labs/ (executed top to bottom; --nbval-lax fails on errors and asserts, not on changed outputs,

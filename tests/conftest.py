@@ -1,9 +1,17 @@
 import logging
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 logging.getLogger("minserve").setLevel(logging.ERROR)
+
+# Each lab's exercises live beside its notebook in labs/course/ (course content, not toolkit); the
+# notebooks import them as `course.labNN` from labs/, and so do the tests of those exercises.
+LABS_DIR = Path(__file__).resolve().parents[1] / "labs"
+if str(LABS_DIR) not in sys.path:
+    sys.path.insert(0, str(LABS_DIR))
 
 
 @pytest.fixture(scope="session")

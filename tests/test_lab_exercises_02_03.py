@@ -12,7 +12,7 @@ import pytest
 from minserve import lab
 from minserve.engine.llm_engine import LLMEngine
 from minserve.lab import capacity, checks
-from minserve.lab.exercises import lab02, lab03
+from course import lab02, lab03
 from minserve.lab.presets import CI_ENV
 from minserve.lab.workload import RunResult
 

@@ -16,7 +16,7 @@ from lab_check_helpers import not_ci, verified_under_ci  # noqa: F401 (not_ci: a
 from minserve.lab import prefix as px
 from minserve.lab import sidechannel as sc
 from minserve.lab import traffic as tr
-from minserve.lab.exercises import lab04, lab07
+from course import lab04, lab07
 from minserve.lab.local_server import LocalServer, serve
 from minserve.server import AdmissionConfig, ClassLimits
 

@@ -13,8 +13,8 @@ import torch
 from minserve import LLM, lab
 from minserve.engine.kv_cache import kv_cache_bytes_per_token
 from minserve.lab import capacity
-from minserve.lab.exercises import lab05 as ex
-from minserve.lab.exercises import lab05_gate
+from course import lab05 as ex
+from course import lab05_gate
 from minserve.lab.presets import Preset
 
 from lab_check_helpers import not_ci, verified_under_ci  # noqa: F401 (not_ci: an autouse fixture)

@@ -14,7 +14,7 @@ import pytest
 from lab_check_helpers import not_ci, verified_under_ci  # noqa: F401 (not_ci: autouse)
 from minserve import LLM, SamplingParams
 from minserve.lab import checks
-from minserve.lab.exercises import lab06 as ex
+from course import lab06 as ex
 from minserve.lab.presets import CI_ENV
 
 

@@ -17,12 +17,18 @@ Modules: :mod:`~minserve.lab.presets` (quick | full, CI flag), :mod:`~minserve.l
 :mod:`~minserve.lab.live` (in-place figure and progress), :mod:`~minserve.lab.timeline`,
 :mod:`~minserve.lab.correlate`, :mod:`~minserve.lab.controls` (run_experiment + widgets),
 :mod:`~minserve.lab.checks` (q.check / q.hint / q.solution), :mod:`~minserve.lab.results`,
-and :mod:`minserve.lab.exercises` (each lab's checks, built from its measurements).
+:mod:`~minserve.lab.hygiene` (warm-up, calibration from repeats, the machine's load) and
+:mod:`~minserve.lab.lessons` (a lab's headline claims, checked on its own data).
+
+Each lab's own exercises, hints, solutions and helpers are course content, not toolkit: they live
+beside the notebooks in ``labs/course/`` (``from course import lab07 as ex``).
 """
 
 from minserve.lab import local_server, prefix, sidechannel, traffic  # labs 04 and 07: lab.prefix.*, ...
 from minserve.lab.checks import ChoiceCheck, CheckFailed, FunctionCheck, Mistake, NumberCheck
 from minserve.lab.controls import control_panel, run_experiment
+from minserve.lab.hygiene import Calibration, Load, LoadProbe, calibrate, machine_load, warm
+from minserve.lab.lessons import Lesson, lesson
 from minserve.lab.correlate import add_context, compare_distributions, correlation_grid, pearson, scatter_corr
 from minserve.lab.presets import CI_ENV, PRESET_ENV, Preset, get_preset, is_ci
 from minserve.lab.results import load_baseline, record_baseline
@@ -38,6 +44,7 @@ __all__ = [
     "record_baseline", "engine_for", "environment_summary", "release_engine", "setup",
     "chunk_table", "request_timeline", "EngineRecordsRequired", "RunResult", "make_requests",
     "run_sweep", "run_workload", "scenario_requests", "text_of_length",
+    "Calibration", "Load", "LoadProbe", "calibrate", "machine_load", "warm", "Lesson", "lesson",
 ]
 
 # Labs 02 and 03: static vs continuous batching, load sweeps, KV-cache pressure (lab/capacity.py).

@@ -21,7 +21,9 @@ import logging
 import platform
 import sys
 import warnings
+from collections.abc import Sequence
 
+from minserve.lab.hygiene import warm
 from minserve.lab.presets import Preset, get_preset, is_ci
 
 
@@ -101,11 +103,14 @@ _current: dict = {"key": None, "llm": None}
 
 
 def engine_for(preset: Preset | None = None, model: str | None = None, warm_up: bool = True,
+               warm_prompts: Sequence[int] | None = None, warm_batches: Sequence[int] | None = None,
                **engine_args):
     """An ``LLM`` for ``model`` (default: the preset's) with the preset's engine arguments plus
-    ``engine_args``, warmed up (see :func:`warm`). The same arguments give back the same ``LLM``
-    (nothing reloads when a cell is run again); different ones free the previous engine first
-    (a notebook variable still holding the old one keeps it alive)."""
+    ``engine_args``, warmed up on the shapes the lab will measure (prompt lengths
+    ``warm_prompts`` and decode batch sizes ``warm_batches``; see :func:`minserve.lab.hygiene.warm`
+    for the defaults). The same arguments give back the same ``LLM`` (nothing reloads when a cell
+    is run again); different ones free the previous engine first (a notebook variable still
+    holding the old one keeps it alive)."""
     from minserve import LLM
     preset = preset or get_preset()
     model = model or preset.model
@@ -118,20 +123,9 @@ def engine_for(preset: Preset | None = None, model: str | None = None, warm_up: 
     release_engine()
     llm = LLM(model, **kwargs)
     if warm_up:
-        warm(llm)
+        warm(llm, warm_prompts, warm_batches)
     _current.update(key=key, llm=llm)
     return llm
-
-
-def warm(llm) -> None:
-    """Run two tiny requests so the first measured one does not pay for first-use costs
-    (allocations, thread pools, the first call into each kernel): on a 2-core CPU the very first
-    step of a fresh engine can take a second or more longer than the next."""
-    from minserve import SamplingParams
-    budget = llm.llm_engine.config.max_num_batched_tokens
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    for n in (8, min(64, budget)):
-        llm.generate([{"prompt_token_ids": list(range(1000, 1000 + n))}], params, use_tqdm=False)
 
 
 def release_engine() -> None:

@@ -41,6 +41,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from minserve.lab.hygiene import LoadProbe
+
 OUTCOMES = ("ok", "shed", "expired", "gave up", "error")
 OUTCOME_COLORS = {"ok": "tab:green", "shed": "tab:orange", "expired": "tab:red",
                   "gave up": "tab:gray", "error": "black"}
@@ -132,6 +134,7 @@ class TrafficResult:
     duration_s: float
     settings: dict = field(default_factory=dict)
     figure: Any = None
+    load: Any = None    # a minserve.lab.hygiene.Load: other processes' CPU use during the run
 
     def counts(self, by: str = "label") -> "Any":
         """Requests by ``by`` (label or priority_class) and outcome (a DataFrame of counts)."""
@@ -367,6 +370,7 @@ def offer(base_url: str, calls_: Sequence[Call], *, name: str = "traffic", slo: 
             box["error"] = e
 
     thread = threading.Thread(target=work, name="minserve-lab-traffic", daemon=True)
+    probe = LoadProbe().start()
     view.start()
     thread.start()
     while thread.is_alive():
@@ -384,7 +388,7 @@ def offer(base_url: str, calls_: Sequence[Call], *, name: str = "traffic", slo: 
     result = TrafficResult(name, df, state, duration,
                            settings={"base_url": base_url, "model": model_id, "slo": slo,
                                      "patience_s": patience_s, "max_concurrency": max_concurrency,
-                                     "num_calls": len(calls_)})
+                                     "num_calls": len(calls_)}, load=probe.stop())
     result.figure = view.finish(result)
     return result
 

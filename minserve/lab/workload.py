@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from minserve.bench.datasets import SampleRequest
+from minserve.lab.hygiene import LoadProbe
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -168,6 +169,7 @@ class RunResult:
     timelines: dict | None = None
     bench: Any = None
     figure: Any = None
+    load: Any = None    # a minserve.lab.hygiene.Load: other processes' CPU use during the run
 
     @property
     def in_process(self) -> bool:
@@ -207,6 +209,8 @@ class RunResult:
                 out[f"median_{m[:-2]}_ms"] = round(float(np.median(v)), 2)
                 out[f"p90_{m[:-2]}_ms"] = round(float(np.percentile(v, 90)), 2)
         out["output_tok_per_s"] = round(float(self.summary.get("output_throughput", math.nan)), 2)
+        if self.load is not None and self.load.others_cores is not None:
+            out["others_cores"] = round(self.load.others_cores, 2)  # load noted with every result
         return out
 
     def __repr__(self) -> str:
@@ -265,9 +269,13 @@ def run_workload(target=None, requests: Sequence[SampleRequest] = (), *, base_ur
     settings = dict(request_rate=request_rate, max_concurrency=max_concurrency, burstiness=burstiness,
                     seed=seed, ignore_eos=ignore_eos, num_requests=len(requests))
     liverun = LiveRun(len(requests), title=title or name, interval_s=interval_s, enabled=live)
-    if base_url is not None:
-        return _run_http(base_url.rstrip("/"), requests, settings, liverun, name, model, chat)
-    return _run_engine(_engine_of(target), requests, settings, liverun, name)
+    with LoadProbe() as probe:
+        if base_url is not None:
+            result = _run_http(base_url.rstrip("/"), requests, settings, liverun, name, model, chat)
+        else:
+            result = _run_engine(_engine_of(target), requests, settings, liverun, name)
+    result.load = probe.load
+    return result
 
 
 class _Observed:

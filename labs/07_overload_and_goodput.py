@@ -1,46 +1,56 @@
-"""Writes labs/07_overload_and_goodput.ipynb (outputs cleared). Run: .venv/bin/python labs/_build/gen_07_overload_and_goodput.py"""
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
 
-from nbgen import code, md, write
+# %% [markdown]
+# # Lab 07 — Overload and goodput: what to do with more traffic than you can serve
+#
+# Continuous batching makes a server efficient, not infinite. Past a certain offered load (the
+# *knee*) every extra request only waits. The server stays busy, but its answers arrive later and
+# later, and at some point they arrive after the user stopped caring. What
+# matters then is **goodput**: requests per second answered *within their service-level objective*
+# (SLO). This lab pushes a real HTTP server past its knee, with and without admission control, and
+# looks at what each request got back.
+#
+# **Goals.** By the end you will have:
+#
+# 1. measured throughput and goodput against offered load, and read off the knee;
+# 2. seen what a bounded waiting room changes: refused requests get a `429` with `Retry-After` in
+#    milliseconds instead of a long wait, and the requests let in still meet the SLO;
+# 3. watched the server recover after a burst, with and without admission control;
+# 4. predicted what the deadline model (`x-deadline-ms`) computes, and seen both ways a deadline ends
+#    a request: shed at the door (`429`) or aborted in the queue (`504 deadline_exceeded`);
+# 5. protected interactive traffic from a batch flood with per-class budgets (`x-priority-class`).
+#
+# **Run time:** about 1.5 minutes on a 2-core laptop CPU in the `quick` preset (the default): a
+# small server (4 seats), short prompts and answers, tens of requests per run. Every run is sized in
+# units of the service time measured at the start, so a busy or a faster machine changes the run
+# time, not the shape of the results. The `full` preset (`MINSERVE_LAB_PRESET=full`) uses 16 seats,
+# longer prompts and answers and longer runs, sized for a GPU box (not timed there yet).
+#
+# **Prerequisites:** [Lab 00](00_tour.ipynb) and [Lab 01](01_prefill_vs_decode.ipynb) (TTFT, TPOT,
+# batching); the README's [serving over HTTP](../README.md#serving-over-http) section.
+#
+# **Source files:** [`server/admission.py`](../minserve/server/admission.py) (classification,
+# per-class budgets, shedding), [`server/deadlines.py`](../minserve/server/deadlines.py) (the
+# deadline model), [`server/async_engine.py`](../minserve/server/async_engine.py) (expiry after
+# admission), [`server/app.py`](../minserve/server/app.py) (the life of a request),
+# [`bench/metrics.py`](../minserve/bench/metrics.py) (goodput as `vllm bench serve` defines it),
+# [`lab/local_server.py`](../minserve/lab/local_server.py) (the server in this notebook) and
+# [`lab/traffic.py`](../minserve/lab/traffic.py) (the load, with headers, and what came back).
 
-md("""
-# Lab 07 — Overload and goodput: what to do with more traffic than you can serve
-
-Continuous batching makes a server efficient, not infinite. Past a certain offered load (the
-*knee*) every extra request only waits. The server stays busy, but its answers arrive later and
-later, and at some point they arrive after the user stopped caring. What
-matters then is **goodput**: requests per second answered *within their service-level objective*
-(SLO). This lab pushes a real HTTP server past its knee, with and without admission control, and
-looks at what each request got back.
-
-**Goals.** By the end you will have:
-
-1. measured throughput and goodput against offered load, and read off the knee;
-2. seen what a bounded waiting room changes: refused requests get a `429` with `Retry-After` in
-   milliseconds instead of a long wait, and the requests let in still meet the SLO;
-3. watched the server recover after a burst, with and without admission control;
-4. predicted what the deadline model (`x-deadline-ms`) computes, and seen both ways a deadline ends
-   a request: shed at the door (`429`) or aborted in the queue (`504 deadline_exceeded`);
-5. protected interactive traffic from a batch flood with per-class budgets (`x-priority-class`).
-
-**Run time:** about 1.5 minutes on a 2-core laptop CPU in the `quick` preset (the default): a
-small server (4 seats), short prompts and answers, tens of requests per run. Every run is sized in
-units of the service time measured at the start, so a busy or a faster machine changes the run
-time, not the shape of the results. The `full` preset (`MINSERVE_LAB_PRESET=full`) uses 16 seats,
-longer prompts and answers and longer runs, sized for a GPU box (not timed there yet).
-
-**Prerequisites:** [Lab 00](00_tour.ipynb) and [Lab 01](01_prefill_vs_decode.ipynb) (TTFT, TPOT,
-batching); the README's [serving over HTTP](../README.md#serving-over-http) section.
-
-**Source files:** [`server/admission.py`](../minserve/server/admission.py) (classification,
-per-class budgets, shedding), [`server/deadlines.py`](../minserve/server/deadlines.py) (the
-deadline model), [`server/async_engine.py`](../minserve/server/async_engine.py) (expiry after
-admission), [`server/app.py`](../minserve/server/app.py) (the life of a request),
-[`bench/metrics.py`](../minserve/bench/metrics.py) (goodput as `vllm bench serve` defines it),
-[`lab/local_server.py`](../minserve/lab/local_server.py) (the server in this notebook) and
-[`lab/traffic.py`](../minserve/lab/traffic.py) (the load, with headers, and what came back).
-""")
-
-code("""
+# %%
 # Set-up check: what this notebook runs on (and quiet engine logs, shared figure style).
 import math
 
@@ -53,14 +63,13 @@ from IPython.display import display
 from minserve import lab
 from minserve.lab import traffic as tr
 from minserve.workshop.doctor import format_checks, run_checks
-from minserve.lab.exercises import lab07 as ex
+from course import lab07 as ex
 from minserve.server import AdmissionConfig, ClassLimits
 
 P = lab.setup()
 print(format_checks(run_checks(short=True), short=True))  # the short form of `minserve doctor`
-""")
 
-code("""
+# %%
 # A small server, so that its knee sits at a load this machine can offer in seconds. Prefix
 # caching is off: every request pays its whole prefill, as in lab 01.
 SEATS = P.pick(quick=4, full=16)            # max_num_seqs: requests decoding at once
@@ -71,21 +80,19 @@ tok = llm.get_tokenizer()
 print(P.describe())
 print(f"engine: {SEATS} seats; each request: {IN_TOKENS} prompt tokens, {OUT_TOKENS} output tokens")
 lab01 = lab.load_baseline("01")
-""")
 
-md("""
-## 1. A server in the notebook, and what it can do
+# %% [markdown]
+# ## 1. A server in the notebook, and what it can do
+#
+# `lab.local_server.serve` starts the same FastAPI app as `minserve serve` (`create_app`) around
+# the notebook's engine, with uvicorn on a free local port in a background thread. While it runs,
+# its engine thread owns the engine; the notebook talks to it over HTTP like any client. The first
+# server has **no admission limits**: every request is let into the waiting room.
+#
+# To size the experiments to this machine, two full batches arrive at once: how many requests per
+# second can it finish, and how long does one take when the seats are full?
 
-`lab.local_server.serve` starts the same FastAPI app as `minserve serve` (`create_app`) around
-the notebook's engine, with uvicorn on a free local port in a background thread. While it runs,
-its engine thread owns the engine; the notebook talks to it over HTTP like any client. The first
-server has **no admission limits**: every request is let into the waiting room.
-
-To size the experiments to this machine, two full batches arrive at once: how many requests per
-second can it finish, and how long does one take when the seats are full?
-""")
-
-code("""
+# %%
 OPEN = AdmissionConfig(interactive=ClassLimits(max_queued_requests=None),
                        batch=ClassLimits(max_queued_requests=None))
 srv = lab.local_server.serve(llm, admission=OPEN)
@@ -97,39 +104,35 @@ first_wave = cal.requests.nsmallest(SEATS, "send_s")
 service_s = float(first_wave.e2e_s.median())       # one request, start to finish, seats full
 capacity = SEATS / service_s                       # requests per second with every seat busy
 tpot_full_s = float(first_wave.tpot_s.median())
-""")
 
-md("""
-Everything below is sized in units of that service time, so the experiments have the same shape
-on any machine. The service-level objective too: the first token within 1.5 service times (a
-request may wait for about half a batch ahead of it), and later tokens at most three times slower
-than at a full batch here.
-""")
+# %% [markdown]
+# Everything below is sized in units of that service time, so the experiments have the same shape
+# on any machine. The service-level objective too: the first token within 1.5 service times (a
+# request may wait for about half a batch ahead of it), and later tokens at most three times slower
+# than at a full batch here.
 
-code("""
+# %%
 SLO = tr.SLO(ttft_ms=round(1500 * service_s, -1), tpot_ms=round(3000 * tpot_full_s, -1))
 print(f"One request takes {1000 * service_s:.0f} ms start to finish with all {SEATS} seats busy "
       f"(TPOT {1000 * tpot_full_s:.0f} ms), so the server finishes about {SEATS} / "
       f"{service_s:.2f} s = {capacity:.2f} requests/s: its nominal capacity.")
 print(f"SLO for this lab: {SLO}.")
-""")
 
-md("""
-## 2. Past the knee without admission control
+# %% [markdown]
+# ## 2. Past the knee without admission control
+#
+# Offered load rises in steps, as multiples of the nominal capacity; each step sends requests for
+# two service times (Poisson arrivals). Users are not infinitely patient: a client that has no
+# complete answer after twice the TTFT objective gives up and closes the connection (the server then
+# aborts the request). Every step runs twice, back to back, with the same requests at
+# the same times: once on the open server, once on a server whose waiting room holds at most
+# `SEATS` requests. Only the admission policy differs; this section looks at the open server.
+#
+# **What to look for:** throughput rises with the offered load and then stops rising near the
+# capacity. Goodput rises with it at first, then *falls*: past the knee the queue grows, more and more
+# answers come after the objective, and users who give up leave behind work that counts for nothing.
 
-Offered load rises in steps, as multiples of the nominal capacity; each step sends requests for
-two service times (Poisson arrivals). Users are not infinitely patient: a client that has no
-complete answer after twice the TTFT objective gives up and closes the connection (the server then
-aborts the request). Every step runs twice, back to back, with the same requests at
-the same times: once on the open server, once on a server whose waiting room holds at most
-`SEATS` requests. Only the admission policy differs; this section looks at the open server.
-
-**What to look for:** throughput rises with the offered load and then stops rising near the
-capacity. Goodput rises with it at first, then *falls*: past the knee the queue grows, more and more
-answers come after the objective, and users who give up leave behind work that counts for nothing.
-""")
-
-code("""
+# %%
 BOUNDED = AdmissionConfig(interactive=ClassLimits(max_queued_requests=SEATS),
                           batch=ClassLimits(max_queued_requests=SEATS))
 POLICIES = {"none": OPEN, "bounded queue": BOUNDED}
@@ -165,9 +168,8 @@ for (mult, policy), res in results.items():
 table = pd.DataFrame(rows)
 sweep = table[table.admission == "none"].set_index("offered (req/s)").drop(columns="admission")
 sweep
-""")
 
-code("""
+# %%
 fig, ax = plt.subplots(figsize=(7.5, 3.8))
 x = sweep.index.to_numpy(float)
 ax.plot(x, sweep["throughput (req/s)"], "o-", color="tab:blue", label="throughput (answered)")
@@ -184,43 +186,38 @@ print(f"Throughput peaked at {best_thr} req/s (nominal capacity {capacity:.2f}).
       f"{sweep.loc[top, 'goodput (req/s)']} req/s within the SLO; {sweep.loc[top, 'gave up']} of "
       f"{sweep.loc[top, 'offered']} users gave up waiting, after the server had spent time on "
       "some of them.")
-""")
 
-md("""
-**Exercise 1.** What was the goodput of the open server at the highest offered load, in requests
-per second? Work it out from the table's counts rather than reading the goodput column.
+# %% [markdown]
+# **Exercise 1.** What was the goodput of the open server at the highest offered load, in requests
+# per second? Work it out from the table's counts rather than reading the goodput column.
+#
+# **Exercise 2.** Where is the knee: at which offered load (one of the table's values) did goodput
+# peak?
 
-**Exercise 2.** Where is the knee: at which offered load (one of the table's values) did goodput
-peak?
-""")
-
-code("""
+# %%
 goodput_at_top = None  # your answer, in req/s
 knee_rate = None       # your answer: one of the offered loads, in req/s
-""")
 
-code("""
+# %%
 q1 = ex.q1_goodput(sweep, top)
 q1.check(goodput_at_top)
 q2 = ex.q2_knee(sweep)
 q2.check(knee_rate)
 # q1.hint(); q2.hint()
 # q1.solution(); q2.solution()
-""")
 
-md("""
-## 3. Admission control: a bounded waiting room
+# %% [markdown]
+# ## 3. Admission control: a bounded waiting room
+#
+# The second server of each step admits a request only while fewer than `SEATS` requests wait for a
+# seat (`ClassLimits(max_queued_requests=SEATS)`); any other request is **shed at once** with
+# `429 Too Many Requests` and a `Retry-After` header, the server's estimate of when a seat frees up
+# ([`server/admission.py`](../minserve/server/admission.py)).
+#
+# **What to look for:** past the knee the bounded server refuses part of the load, and what it does
+# let in still meets the SLO, so its goodput stays near the capacity instead of collapsing.
 
-The second server of each step admits a request only while fewer than `SEATS` requests wait for a
-seat (`ClassLimits(max_queued_requests=SEATS)`); any other request is **shed at once** with
-`429 Too Many Requests` and a `Retry-After` header, the server's estimate of when a seat frees up
-([`server/admission.py`](../minserve/server/admission.py)).
-
-**What to look for:** past the knee the bounded server refuses part of the load, and what it does
-let in still meets the SLO, so its goodput stays near the capacity instead of collapsing.
-""")
-
-code("""
+# %%
 bounded = table[table.admission == "bounded queue"].set_index("offered (req/s)").drop(columns="admission")
 fig, ax = plt.subplots(figsize=(7.5, 3.8))
 ax.plot(x, sweep["goodput (req/s)"], "s-", color="tab:red", label="no admission control")
@@ -231,26 +228,22 @@ ax.set(xlabel="offered load (req/s)", ylabel="goodput (req/s)", ylim=(0, None),
 ax.legend(fontsize=8)
 plt.show()
 bounded
-""")
 
-md("""
-The two runs at the highest load, as the live view drew them: the latency of answered requests
-(the dashed line is the TTFT objective), what each request got, and the server's queue.
-""")
+# %% [markdown]
+# The two runs at the highest load, as the live view drew them: the latency of answered requests
+# (the dashed line is the TTFT objective), what each request got, and the server's queue.
 
-code("""
+# %%
 top_mult = MULTS[-1]
 display(results[(top_mult, "none")].figure)
 display(results[(top_mult, "bounded queue")].figure)
-""")
 
-md("""
-What did the refused requests get, and how fast? A shed request learns in milliseconds that it
-should come back later (or go to another replica); a request that waited on the open server until
-its user gave up learned nothing, after a long wait, and used the server's time while it waited.
-""")
+# %% [markdown]
+# What did the refused requests get, and how fast? A shed request learns in milliseconds that it
+# should come back later (or go to another replica); a request that waited on the open server until
+# its user gave up learned nothing, after a long wait, and used the server's time while it waited.
 
-code("""
+# %%
 shed_run = results[(top_mult, "bounded queue")].requests
 open_run = results[(top_mult, "none")].requests
 shed = shed_run[shed_run.outcome == "shed"]
@@ -261,21 +254,19 @@ print(f"A shed request had its answer (429) after {1000 * shed.e2e_s.median():.0
 if len(gave_up):
     print(f"On the open server, {len(gave_up)} users gave up after {PATIENCE_S:.1f} s without an answer.")
 print("One refusal, as the client saw it:", shed.error.iloc[0] if len(shed) else "(none shed)")
-""")
 
-md("""
-## 4. Recovery after a burst
+# %% [markdown]
+# ## 4. Recovery after a burst
+#
+# A burst of six service times' worth of requests arrives at once, then traffic returns to normal:
+# one request every half service time, a light load. How long until those later requests are
+# served within the objective again? Same traffic on both servers.
+#
+# **What to look for:** on the open server the burst becomes a backlog, and every request that
+# arrives after it waits behind it until it drains. The bounded server sheds most of the burst at the
+# door, so the requests after it are served almost at once.
 
-A burst of six service times' worth of requests arrives at once, then traffic returns to normal:
-one request every half service time, a light load. How long until those later requests are
-served within the objective again? Same traffic on both servers.
-
-**What to look for:** on the open server the burst becomes a backlog, and every request that
-arrives after it waits behind it until it drains. The bounded server sheds most of the burst at the
-door, so the requests after it are served almost at once.
-""")
-
-code("""
+# %%
 BURST = 6 * SEATS                   # six service times of work, all at once
 AFTER = P.pick(quick=8, full=16)    # then one request every half service time
 burst_reqs = lab.make_requests(tok, IN_TOKENS, OUT_TOKENS, num_requests=BURST, seed=31)
@@ -288,9 +279,8 @@ for policy in POLICIES:
     server = lab.local_server.serve(llm, admission=POLICIES[policy])
     recovery[policy] = tr.offer(server.base_url, burst_calls, slo=SLO, patience_s=PATIENCE_S,
                                 name=f"burst of {BURST}, admission: {policy}")
-""")
 
-code("""
+# %%
 fig, ax = plt.subplots(figsize=(7.5, 3.6))
 for policy, color in zip(POLICIES, ("tab:red", "tab:green")):
     r = recovery[policy].requests.query("label == 'later'")
@@ -322,25 +312,23 @@ for p, t in rec.items():
     when = f"from the request sent at {t:.1f} s on" if math.isfinite(t) else "not within this run"
     print(f"admission {p}: later requests met the SLO again {when}; "
           f"burst outcomes: {recovery[p].counts().loc['burst'].to_dict()}")
-""")
 
-md("""
-## 5. Deadlines: `x-deadline-ms`
+# %% [markdown]
+# ## 5. Deadlines: `x-deadline-ms`
+#
+# A client can say how long the whole answer may take: the header `x-deadline-ms` (or the body
+# field `deadline_ms`). Admission then predicts when the request would finish if admitted now, and
+# sheds it at once (`429`, reason `deadline`) if the prediction misses. The model is stated in
+# [`server/deadlines.py`](../minserve/server/deadlines.py):
+#
+#     start     = when a seat frees and the prompts ahead are prefilled (0 on an idle server)
+#     predicted = start + prompt_tokens * p + max_tokens * d
+#
+# where `p` (seconds of prefill per prompt token) and `d` (seconds per decode step) are moving
+# averages of the engine's recent steps. A fresh server starts from priors; a few requests teach it
+# this machine's speed.
 
-A client can say how long the whole answer may take: the header `x-deadline-ms` (or the body
-field `deadline_ms`). Admission then predicts when the request would finish if admitted now, and
-sheds it at once (`429`, reason `deadline`) if the prediction misses. The model is stated in
-[`server/deadlines.py`](../minserve/server/deadlines.py):
-
-    start     = when a seat frees and the prompts ahead are prefilled (0 on an idle server)
-    predicted = start + prompt_tokens * p + max_tokens * d
-
-where `p` (seconds of prefill per prompt token) and `d` (seconds per decode step) are moving
-averages of the engine's recent steps. A fresh server starts from priors; a few requests teach it
-this machine's speed.
-""")
-
-code("""
+# %%
 srv = lab.local_server.serve(llm, admission=AdmissionConfig())   # default budgets, deadlines on
 tr.offer(srv.base_url, tr.calls(lab.make_requests(tok, IN_TOKENS, OUT_TOKENS, num_requests=2 * SEATS,
                                                   seed=41)), live=False)   # let it measure p and d
@@ -348,20 +336,17 @@ p_s_per_token = srv.admission.prefill_s_per_token
 d_s_per_step = srv.admission.decode_s_per_step
 print(f"The server is idle now. Its model: p = {p_s_per_token * 1000:.3g} ms per prompt token, "
       f"d = {d_s_per_step * 1000:.3g} ms per decode step.")
-""")
 
-md("""
-**Exercise 3.** The server is idle. A request arrives with `IN_TOKENS` prompt tokens and
-`max_tokens = OUT_TOKENS` (values below). What completion time, in milliseconds, does admission
-predict for it?
-""")
+# %% [markdown]
+# **Exercise 3.** The server is idle. A request arrives with `IN_TOKENS` prompt tokens and
+# `max_tokens = OUT_TOKENS` (values below). What completion time, in milliseconds, does admission
+# predict for it?
 
-code("""
+# %%
 print(f"prompt tokens = {IN_TOKENS}, max_tokens = {OUT_TOKENS}")
 predicted_ms = None  # your answer, in ms
-""")
 
-code("""
+# %%
 from minserve.server.admission import Ticket
 
 model_s = srv.admission.predict_s(Ticket("you", "interactive", IN_TOKENS, OUT_TOKENS))
@@ -369,14 +354,12 @@ q3 = ex.q3_deadline_prediction(IN_TOKENS, OUT_TOKENS, p_s_per_token, d_s_per_ste
 q3.check(predicted_ms)
 # q3.hint()
 # q3.solution()
-""")
 
-md("""
-Now two requests to the idle server, one with a deadline at half that prediction and one at twice
-it (not streamed, so the status code is the whole story):
-""")
+# %% [markdown]
+# Now two requests to the idle server, one with a deadline at half that prediction and one at twice
+# it (not streamed, so the status code is the whole story):
 
-code("""
+# %%
 def ask(deadline_ms):
     r = httpx.post(f"{srv.base_url}/v1/completions", timeout=120,
                    headers={"x-deadline-ms": f"{deadline_ms:.0f}"},
@@ -391,19 +374,17 @@ def ask(deadline_ms):
 deadline_demo = pd.DataFrame([ask(0.5 * 1000 * model_s), ask(2.0 * 1000 * model_s)])
 assert list(deadline_demo.status) == [429, 200], deadline_demo
 deadline_demo
-""")
 
-md("""
-The prediction can also be wrong in the other direction. Until a server has measured its steps,
-its rates are priors; here a server starts with priors that call every step nearly free, so it
-admits a whole burst whose deadline (1.5x the service time) only the first requests can meet. The
-deadline still holds after admission: a request still **queued** when its deadline passes is
-aborted before it runs. A non-streamed client gets `504` with code `deadline_exceeded`; a streamed
-one has already received its `200` headers, so it gets an error event with that code, then
-`[DONE]`. Requests already running are left to finish: their seat and prefill are paid for.
-""")
+# %% [markdown]
+# The prediction can also be wrong in the other direction. Until a server has measured its steps,
+# its rates are priors; here a server starts with priors that call every step nearly free, so it
+# admits a whole burst whose deadline (1.5x the service time) only the first requests can meet. The
+# deadline still holds after admission: a request still **queued** when its deadline passes is
+# aborted before it runs. A non-streamed client gets `504` with code `deadline_exceeded`; a streamed
+# one has already received its `200` headers, so it gets an error event with that code, then
+# `[DONE]`. Requests already running are left to finish: their seat and prefill are paid for.
 
-code("""
+# %%
 optimist = AdmissionConfig(prior_prefill_s_per_token=1e-6, prior_decode_s_per_step=1e-4,
                            ewma_alpha=1e-9)   # rates pinned at the priors for the demo
 srv = lab.local_server.serve(llm, admission=optimist)
@@ -415,27 +396,25 @@ display(srv.admission_counts())
 expired = late.requests[late.requests.outcome == "expired"]
 print(f"{len(expired)} of {len(late.requests)} requests were admitted and then expired in the queue "
       f"(code {expired.error_code.iloc[0] if len(expired) else '-'}); they never took a seat.")
-""")
 
-md("""
-## 6. Protecting interactive traffic from a batch flood
+# %% [markdown]
+# ## 6. Protecting interactive traffic from a batch flood
+#
+# Admission classifies every request: `x-priority-class: interactive | batch` (or vLLM's `priority`
+# field: 0 or less is interactive, above 0 is batch; with API keys, the key may cap the class). Each
+# class has **its own waiting room**. minserve's engine itself serves requests in arrival order, so
+# the classes are protected at the door: a flood can fill the batch waiting room, never the
+# interactive one.
+#
+# A batch job floods the server at 2.5 times its capacity while a few interactive users send a
+# request every half service time. Same traffic on two servers: classes with unbounded waiting
+# rooms, then a batch waiting room of 2 (interactive: `2 * SEATS`).
+#
+# **What to look for:** on the first server the interactive requests queue behind the batch backlog.
+# On the second, batch requests beyond the small waiting room are shed, and interactive TTFT stays
+# near the objective.
 
-Admission classifies every request: `x-priority-class: interactive | batch` (or vLLM's `priority`
-field: 0 or less is interactive, above 0 is batch; with API keys, the key may cap the class). Each
-class has **its own waiting room**. minserve's engine itself serves requests in arrival order, so
-the classes are protected at the door: a flood can fill the batch waiting room, never the
-interactive one.
-
-A batch job floods the server at 2.5 times its capacity while a few interactive users send a
-request every half service time. Same traffic on two servers: classes with unbounded waiting
-rooms, then a batch waiting room of 2 (interactive: `2 * SEATS`).
-
-**What to look for:** on the first server the interactive requests queue behind the batch backlog.
-On the second, batch requests beyond the small waiting room are shed, and interactive TTFT stays
-near the objective.
-""")
-
-code("""
+# %%
 CLASSES = AdmissionConfig(interactive=ClassLimits(max_queued_requests=2 * SEATS),
                           batch=ClassLimits(max_queued_requests=2))
 FLOOD_S = P.pick(quick=2, full=6) * service_s      # the flood lasts this long ...
@@ -451,9 +430,8 @@ for name, cfg in (("shared waiting room", OPEN), ("per-class budgets", CLASSES))
     server = lab.local_server.serve(llm, admission=cfg)
     flood[name] = tr.offer(server.base_url, flood_calls, slo=SLO, live=name == "per-class budgets",
                            name=f"batch flood, {name}")
-""")
 
-code("""
+# %%
 fig, ax = plt.subplots(figsize=(7.5, 3.6))
 for (name, res), color in zip(flood.items(), ("tab:red", "tab:green")):
     r = res.requests.query("label == 'interactive' and outcome == 'ok'")
@@ -469,54 +447,46 @@ p90 = {name: 1000 * res.requests.query("label == 'interactive' and outcome == 'o
        for name, res in flood.items()}
 print(f"Interactive p90 TTFT: {p90['shared waiting room']:.0f} ms with one shared waiting room, "
       f"{p90['per-class budgets']:.0f} ms with per-class budgets.")
-""")
 
-md("""
-**Exercise 4.** On the server with per-class budgets, which class did admission shed:
-`"interactive"`, `"batch"`, `"both"` or `"neither"`?
-""")
+# %% [markdown]
+# **Exercise 4.** On the server with per-class budgets, which class did admission shed:
+# `"interactive"`, `"batch"`, `"both"` or `"neither"`?
 
-code("""
+# %%
 shed_class = None  # your answer
-""")
 
-code("""
+# %%
 q4 = ex.q4_shed_class(flood["per-class budgets"].counts())
 q4.check(shed_class)
 # q4.hint()
 # q4.solution()
-""")
 
-md("""
-## 7. Explore
+# %% [markdown]
+# ## 7. Explore
+#
+# The panel sends a load to a server with a bounded waiting room (the same `BOUNDED` policy as
+# above), through `lab.traffic.experiment`, the plain function the next cell also calls. Engine
+# settings are the server's (disabled); vary the rate, the number of requests and the lengths. To
+# try another admission policy, start a server with it (`lab.local_server.serve(llm,
+# admission=...)`) and pass its `base_url`.
 
-The panel sends a load to a server with a bounded waiting room (the same `BOUNDED` policy as
-above), through `lab.traffic.experiment`, the plain function the next cell also calls. Engine
-settings are the server's (disabled); vary the rate, the number of requests and the lengths. To
-try another admission policy, start a server with it (`lab.local_server.serve(llm,
-admission=...)`) and pass its `base_url`.
-""")
-
-code("""
+# %%
 srv = lab.local_server.serve(llm, admission=BOUNDED)
 panel = lab.control_panel(run=tr.experiment, preset=P, base_url=srv.base_url,
                           num_requests=16, request_rate=round(2 * capacity, 1),
                           prompt_tokens=IN_TOKENS, output_tokens=OUT_TOKENS)
 panel
-""")
 
-code("""
+# %%
 explore = tr.experiment(P, base_url=srv.base_url, num_requests=4 * SEATS, request_rate=2 * capacity,
                         prompt_tokens=IN_TOKENS, output_tokens=OUT_TOKENS, slo=SLO, live=False)
 print(explore)
 explore.percentiles()
-""")
 
-md("""
-## 8. Record your baseline
-""")
+# %% [markdown]
+# ## 8. Record your baseline
 
-code("""
+# %%
 baseline = {
     "seats": SEATS, "capacity_rps": round(capacity, 3), "service_ms": round(1000 * service_s, 1),
     "slo": {"ttft_ms": SLO.ttft_ms, "tpot_ms": SLO.tpot_ms},
@@ -531,42 +501,38 @@ baseline = {
 baseline_path = lab.record_baseline("07", baseline)
 tpot_by_batch = (lab01 or {}).get("tpot_ms_by_batch", {})
 if str(SEATS) in tpot_by_batch:
-    print(f"\\nLab 01 measured a TPOT of {tpot_by_batch[str(SEATS)]:.0f} ms with {SEATS} requests "
+    print(f"\nLab 01 measured a TPOT of {tpot_by_batch[str(SEATS)]:.0f} ms with {SEATS} requests "
           f"decoding in process; through this lab's server at a full batch it was "
           f"{1000 * tpot_full_s:.0f} ms (over HTTP, with the server's threads on the same CPU, and "
           "at another moment of this machine's load).")
-""")
 
-md("""
-## Summary
-
-- Past the knee, more offered load buys no more throughput, and goodput falls: the queue grows,
-  answers arrive after the objective, and users give up. Client timeouts then decide who gets
-  served, and the server does work nobody waits for.
-- A bounded waiting room turns overload into fast, explicit refusals: `429` with `Retry-After`,
-  in milliseconds, while the requests it admits still meet the SLO. Goodput stays near capacity,
-  and after a burst the server is back to normal almost at once.
-- A deadline (`x-deadline-ms`) lets admission refuse what it predicts will be late; the deadline
-  also holds after admission (`504 deadline_exceeded` for a request still queued when it passes).
-  The prediction is only as good as its rates and counts the output at `max_tokens`.
-- Priority classes have separate budgets, so a batch flood fills its own waiting room and sheds
-  its own requests; interactive users keep their latency.
-
-This run's numbers are above and in `labs/results/07.json`.
-
-## Stretch goals
-
-- Give the batch clients manners: resend a shed request after its `Retry-After`. (Build the calls
-  again from `shed` with `send_s` set to their send time plus the suggested wait, and offer them.)
-  How much of the batch work gets done, and does interactive TTFT stay low?
-- Use deadlines as the overload policy instead of a queue bound: send every request of the sweep
-  with `deadline_ms=SLO.ttft_ms + OUT_TOKENS * SLO.tpot_ms` on a server with
-  `AdmissionConfig()`. How does its goodput compare with the bounded waiting room?
-- Add a tenant quota (`AdmissionConfig(tenant_max_inflight=2)`) and two API keys
-  (`lab.local_server.serve(llm, auth=Auth({...}))`, see lab 04): can one tenant still take all the
-  seats?
-- Point `tr.offer` at a vLLM server: which headers does it ignore, and what does its overload look
-  like?
-""")
-
-print(write("07_overload_and_goodput.ipynb"))
+# %% [markdown]
+# ## Summary
+#
+# - Past the knee, more offered load buys no more throughput, and goodput falls: the queue grows,
+#   answers arrive after the objective, and users give up. Client timeouts then decide who gets
+#   served, and the server does work nobody waits for.
+# - A bounded waiting room turns overload into fast, explicit refusals: `429` with `Retry-After`,
+#   in milliseconds, while the requests it admits still meet the SLO. Goodput stays near capacity,
+#   and after a burst the server is back to normal almost at once.
+# - A deadline (`x-deadline-ms`) lets admission refuse what it predicts will be late; the deadline
+#   also holds after admission (`504 deadline_exceeded` for a request still queued when it passes).
+#   The prediction is only as good as its rates and counts the output at `max_tokens`.
+# - Priority classes have separate budgets, so a batch flood fills its own waiting room and sheds
+#   its own requests; interactive users keep their latency.
+#
+# This run's numbers are above and in `labs/results/07.json`.
+#
+# ## Stretch goals
+#
+# - Give the batch clients manners: resend a shed request after its `Retry-After`. (Build the calls
+#   again from `shed` with `send_s` set to their send time plus the suggested wait, and offer them.)
+#   How much of the batch work gets done, and does interactive TTFT stay low?
+# - Use deadlines as the overload policy instead of a queue bound: send every request of the sweep
+#   with `deadline_ms=SLO.ttft_ms + OUT_TOKENS * SLO.tpot_ms` on a server with
+#   `AdmissionConfig()`. How does its goodput compare with the bounded waiting room?
+# - Add a tenant quota (`AdmissionConfig(tenant_max_inflight=2)`) and two API keys
+#   (`lab.local_server.serve(llm, auth=Auth({...}))`, see lab 04): can one tenant still take all the
+#   seats?
+# - Point `tr.offer` at a vLLM server: which headers does it ignore, and what does its overload look
+#   like?

@@ -9,10 +9,10 @@ from __future__ import annotations
 import numbers
 
 from minserve.lab.checks import ChoiceCheck, Mistake, NumberCheck
-from minserve.lab.exercises.lab05_gate import (  # noqa: F401
+from course.lab05_gate import (  # noqa: F401
     SHIPPED_COMMAND, SHIPPED_GATE, gate_frame, gate_slice, judge, shipped_frame, shipped_results,
     smallest_passing)
-from minserve.lab.exercises.lab05_measure import (  # noqa: F401
+from course.lab05_measure import (  # noqa: F401
     FORMATS, GATE_EXTRA, MIB, build_engines, decode_race, format_args, fp32_resident_bytes,
     SHAPES, kernel_contenders, kernel_race, memory_frame, plan_format, prose_prompts, race_panel,
     speedup_share)

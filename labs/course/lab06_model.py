@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from minserve.lab.exercises.lab06_measure import Pair
+from course.lab06_measure import Pair
 
 
 # ---- the model a learner builds ------------------------------------------------------------------

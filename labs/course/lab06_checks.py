@@ -7,8 +7,8 @@ import numbers
 from typing import Sequence
 
 from minserve.lab.checks import ChoiceCheck, FunctionCheck, Mistake, NumberCheck
-from minserve.lab.exercises.lab06_measure import Pair
-from minserve.lab.exercises.lab06_model import expected_tokens, stops_paying
+from course.lab06_measure import Pair
+from course.lab06_model import expected_tokens, stops_paying
 
 
 # ---- the exercises -------------------------------------------------------------------------------

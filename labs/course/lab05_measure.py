@@ -41,7 +41,7 @@ def build_engines(preset, names: dict[str, str], title: str = "building engines"
     """``{label: LLM}``, one warmed engine per format of ``names`` (label: gate name), each with
     the preset's arguments plus ``engine_args``; a progress line while they load (quantizing at
     load takes seconds per engine)."""
-    from minserve.lab.exercises.lab06 import make_engine
+    from course.lab06 import make_engine
     from minserve.lab.live import Progress
     bar = Progress(len(names), title, "engines")
     engines = {}
@@ -202,7 +202,7 @@ def decode_race(engines: dict, prompts: list[list[int]], max_tokens: int):
     and the speed-up the bytes alone predict (streamed bytes of fp32 / of the format)."""
     import pandas as pd
     from minserve import SamplingParams
-    from minserve.lab.exercises.lab06 import run_side_by_side
+    from course.lab06 import run_side_by_side
     from minserve.lab.live import Progress
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     total = len(prompts) * max_tokens

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from minserve.lab.exercises.lab06_measure import Pair, compare, table
-from minserve.lab.exercises.lab06_workloads import WORKLOADS, make_engine, prompt_ids
+from course.lab06_measure import Pair, compare, table
+from course.lab06_workloads import WORKLOADS, make_engine, prompt_ids
 
 
 # ---- the live board ----------------------------------------------------------------------------

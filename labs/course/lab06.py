@@ -23,13 +23,13 @@ same work for both and would blur the comparison). From them:
 """
 
 # The notebook's and the tests' names, from the modules that define them.
-from minserve.lab.exercises.lab06_board import Board, Explorer, panel  # noqa: F401
-from minserve.lab.exercises.lab06_checks import (  # noqa: F401
+from course.lab06_board import Board, Explorer, panel  # noqa: F401
+from course.lab06_checks import (  # noqa: F401
     q1_identical, q2_best_workload, q3_tokens_per_step, q4_speedup, q5_stops_paying)
-from minserve.lab.exercises.lab06_measure import (  # noqa: F401
+from course.lab06_measure import (  # noqa: F401
     PER_POS, EngineRun, Pair, _zero, compare, decode_steps, run_side_by_side, spec_counters,
     steady_time, table)
-from minserve.lab.exercises.lab06_model import (  # noqa: F401
+from course.lab06_model import (  # noqa: F401
     contention_note, expected_tokens, per_position, roofline_costs, roofline_curve, stops_paying)
-from minserve.lab.exercises.lab06_workloads import (  # noqa: F401
+from course.lab06_workloads import (  # noqa: F401
     WORKLOAD_TEXT, WORKLOADS, conversations, make_engine, prompt_ids, spec_config)

@@ -1,0 +1,524 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lab 04 — Prefix caching: reuse, savings, and a leak between tenants
+#
+# Much of what a production server is asked repeats at the *start* of the prompt: an agent's
+# system prompt with its tool definitions, a company's policy preamble, the same retrieved document
+# under several questions. The keys and values of those tokens are the same every time, so the
+# engine can compute them once and reuse them. That is automatic prefix caching; it makes a repeated
+# prefix almost free, and it only speeds up prefill (the answer is still generated token by token).
+#
+# It also makes timing depend on what *other* requests sent before. If tenants share the cache, the
+# time to first token tells one tenant whether another tenant's prompt began with a given text. The
+# second half of this lab mounts that attack and then closes it with per-tenant cache salts.
+#
+# **Goals.** By the end you will have:
+#
+# 1. predicted how many prompt tokens a request gets from the cache (whole blocks only);
+# 2. measured cold against warm TTFT, and the cache's queries, hits and hit rate on a workload with
+#    a shared preamble against one with unique prompts;
+# 3. seen why counting requests that hit is not the same as counting tokens saved;
+# 4. used TTFT to learn which document another tenant sent, and confirmed the leak with a
+#    two-sample test you can compute by hand;
+# 5. closed the leak with a per-tenant `cache_salt` (in the engine, and over HTTP with two API keys).
+#
+# **Run time:** about 1 minute on a 2-core laptop CPU in the `quick` preset (the default), up to 1.5
+# minutes when the machine is busy with other work. The `full` preset (`MINSERVE_LAB_PRESET=full`)
+# uses a 1,024-token system prompt, 32 requests of 1,024 tokens per workload and 16 probes per
+# group, sized for a GPU box (not timed there yet).
+#
+# **Prerequisites:** [Lab 00](00_tour.ipynb) (TTFT, engine steps) and
+# [Lab 01](01_prefill_vs_decode.ipynb) (prefill cost grows with the prompt).
+#
+# **Source files:** [`engine/kv_cache.py`](../minserve/engine/kv_cache.py) (block hashes chained
+# with the salt, `find_cached_prefix`, `cache_full_blocks`),
+# [`engine/scheduler.py`](../minserve/engine/scheduler.py) (`_admit_waiting`: the lookup at
+# admission and the query / hit counters), [`metrics/prometheus.py`](../minserve/metrics/prometheus.py)
+# (`vllm:prefix_cache_queries`, `vllm:prefix_cache_hits`),
+# [`server/auth.py`](../minserve/server/auth.py) (`effective_salt`: the server's per-tenant salt),
+# [`lab/prefix.py`](../minserve/lab/prefix.py) and [`lab/sidechannel.py`](../minserve/lab/sidechannel.py)
+# (the workloads, the probes and the two-sample tests).
+
+# %%
+# Set-up check: what this notebook runs on (and quiet engine logs, shared figure style).
+import math
+
+import httpx
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from minserve import SamplingParams, lab
+from minserve.lab import prefix as px
+from minserve.lab import sidechannel as sc
+from minserve.workshop.doctor import format_checks, run_checks
+from course import lab04 as ex
+
+P = lab.setup()
+print(format_checks(run_checks(short=True), short=True))  # the short form of `minserve doctor`
+
+# %%
+llm = lab.engine_for(P, enable_prefix_caching=True)
+tok = llm.get_tokenizer()
+eng = llm.llm_engine
+BS = eng.config.block_size
+print(P.describe())
+print(f"KV cache: {eng.kv_spec.num_blocks} blocks of {BS} tokens, prefix caching on")
+lab01 = lab.load_baseline("01")
+
+# %% [markdown]
+# ## 1. How a prefix is found: whole blocks, chained
+#
+# The KV cache is cut into blocks of `block_size` tokens (`BS`, printed above). When a block of a prompt is full
+# and computed, the engine files it under a key: a SHA-256 hash of the previous block's key, the
+# block's own token ids, the model's fingerprint and the request's `cache_salt`. Because each key
+# includes the one before it, a block matches only if *everything* before it matches too.
+#
+# When a new request is admitted, the scheduler walks its prompt block by block and stops at the
+# first key it does not find. The blocks found join the request's block table; only the tokens after
+# them are prefilled. Two details decide the count: a block that is only partly shared has a
+# different key, and the last prompt token is always computed, because its logits give the first
+# output token.
+#
+# Our agent, Atlas, starts every request with the same system prompt and tool definitions, then the
+# user's question.
+
+# %%
+AGENT = (
+    "You are Atlas, the support assistant of a small software company.\n"
+    "Rules: answer in at most three sentences; name the manual section you used; never share one "
+    "customer's data with another; call a tool when you need a fact you do not have.\n"
+    "Tools (JSON schema):\n"
+    '[{"name": "search_manual", "description": "full-text search in the product manual", '
+    '"parameters": {"query": "string", "top_k": "integer"}},\n'
+    ' {"name": "get_order", "description": "look up an order by its id", '
+    '"parameters": {"order_id": "string"}},\n'
+    ' {"name": "open_ticket", "description": "open a support ticket", '
+    '"parameters": {"title": "string", "severity": "low | medium | high"}}]\n'
+    "Manual excerpts:\n")
+SYSTEM_TOKENS = P.pick(quick=256, full=1024)
+QUESTION_TOKENS = P.pick(quick=32, full=64)
+(first, second), system_prompt = px.shared_prefix_requests(
+    tok, 2, SYSTEM_TOKENS + QUESTION_TOKENS, 8, SYSTEM_TOKENS, AGENT, seed=1, label="agent",
+    seam="\n\nUser:")
+ids1, ids2 = tok(first.prompt).input_ids, tok(second.prompt).input_ids
+C = px.common_prefix_tokens(ids1, ids2)
+print(system_prompt[:420] + " [...]\n")
+print(f"Each request: {len(ids1)} prompt tokens. The system prompt with its tools is "
+      f"{len(tok(system_prompt).input_ids)} tokens; the two requests share their first {C} token ids.")
+
+# %% [markdown]
+# **Exercise 1.** The first request runs alone on a cache that has never seen this system prompt.
+# Then the second request runs. How many of the second request's prompt tokens will be served from
+# the cache? Predict before running the cell after the next one.
+
+# %%
+cached_predicted = None  # your prediction: a number of tokens
+
+# %%
+params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+cold = llm.generate([first.prompt], params, use_tqdm=False)[0]
+warm = llm.generate([second.prompt], params, use_tqdm=False)[0]
+pair = pd.DataFrame({
+    "prompt tokens": [len(o.prompt_token_ids) for o in (cold, warm)],
+    "cached tokens": [o.num_cached_tokens for o in (cold, warm)],
+    "prefilled tokens": [len(o.prompt_token_ids) - o.num_cached_tokens for o in (cold, warm)],
+    "TTFT (ms)": [1000 * o.metrics.ttft_s for o in (cold, warm)],
+}, index=["first (cold)", "second (warm)"])
+display(pair.round(1))
+
+q1 = ex.q1_cached_tokens(C, BS, len(ids2), warm.num_cached_tokens)
+q1.check(cached_predicted)
+# q1.hint()
+# q1.solution()
+
+# %%
+speedup = cold.metrics.ttft_s / warm.metrics.ttft_s
+print(f"Cold TTFT {1000 * cold.metrics.ttft_s:.0f} ms, warm {1000 * warm.metrics.ttft_s:.0f} ms: "
+      f"{speedup:.1f}x faster, because the warm request prefilled "
+      f"{len(warm.prompt_token_ids) - warm.num_cached_tokens} tokens instead of "
+      f"{len(cold.prompt_token_ids)}.")
+if lab01 and lab01.get("prefill_tok_per_s"):
+    rate = lab01["prefill_tok_per_s"]
+    print(f"Lab 01 measured prefill at about {rate:.0f} tokens/s here: the {warm.num_cached_tokens} "
+          f"cached tokens would have cost about {1000 * warm.num_cached_tokens / rate:.0f} ms.")
+
+# %% [markdown]
+# Run the cell above the check again and the *first* request is warm too: cached blocks stay after
+# their request has finished (their reference count drops to zero, but they keep their key), until
+# the space is needed and the least recently used ones are evicted.
+#
+# ## 2. A workload: a shared policy preamble against unique prompts
+#
+# An internal assistant puts the same policy preamble at the start of every request. Two runs with
+# the same number of requests, the same prompt and output lengths and the same arrivals (all at
+# once); the one difference is that in the first run the first 7/8 of each prompt is the shared
+# preamble, and in the second every prompt is unique. Each run starts from a preamble the cache has
+# not seen.
+#
+# **What to look for:** the queries counter (prompt tokens looked up) is the same in both runs; the
+# hits counter is not. In the live figures, the shared run's TTFTs are lower and closer together.
+
+# %%
+POLICY = (
+    "Example Corp internal assistant. Company policy, applied to every answer:\n"
+    "1. Confidential material stays inside the company; never paste it into outside tools.\n"
+    "2. Personal data goes only to people who need it for their work.\n"
+    "3. When you refuse a request, quote the section of this policy that applies.\n"
+    "4. Answers are short, factual and in plain language.\n"
+    "Reference documents:\n")
+N_REQ = P.pick(quick=6, full=32)
+PROMPT_TOKENS = P.pick(quick=256, full=1024)
+OUT_TOKENS = P.pick(quick=8, full=32)
+SHARED = 7 / 8
+runs, counters = {}, {}
+for name, fraction in (("shared preamble", SHARED), ("unique prompts", 0.0)):
+    before = px.cache_counters(llm)
+    runs[name] = px.prefix_experiment(P, num_requests=N_REQ, prompt_tokens=PROMPT_TOKENS,
+                                      output_tokens=OUT_TOKENS, shared_fraction=fraction,
+                                      preamble=POLICY, name=name)
+    after = px.cache_counters(llm)
+    counters[name] = {k: after[k] - before[k] for k in before}
+shared_run, unique_run = runs["shared preamble"], runs["unique prompts"]
+
+# %% [markdown]
+# The engine's two Prometheus counters, read before and after each run, next to the same numbers
+# summed from its step records (they must agree), the prompt tokens actually prefilled and the
+# latency:
+
+# %%
+rows = {}
+for name, run in runs.items():
+    rep = px.cache_report(run)
+    assert rep["queries"] == counters[name]["queries"] and rep["hits"] == counters[name]["hits"], \
+        "the Prometheus counters and the step records disagree"
+    rows[name] = {"vllm:prefix_cache_queries": counters[name]["queries"],
+                  "vllm:prefix_cache_hits": counters[name]["hits"],
+                  "prompt tokens prefilled": rep["computed"],
+                  "requests that hit": f"{rep['requests_with_hits']} of {rep['requests']}",
+                  "median TTFT (ms)": 1000 * run.requests.ttft_s.median(),
+                  "max TTFT (ms)": 1000 * run.requests.ttft_s.max()}
+report = pd.DataFrame(rows).T
+report
+
+# %%
+fig, ax = plt.subplots(figsize=(8, 3.4))
+x = np.arange(N_REQ)
+for k, (name, run) in enumerate(runs.items()):
+    r = run.requests.reset_index(drop=True)
+    ax.bar(x + (k - 0.5) * 0.4, 1000 * r.ttft_s, width=0.4, label=name)
+ax.set(xlabel="request (in arrival order)", ylabel="TTFT (ms)",
+       title="TTFT per request: the shared preamble is prefilled once")
+ax.set_xticks(x)
+ax.legend()
+plt.show()
+med_s, med_u = (1000 * run.requests.ttft_s.median() for run in runs.values())
+print(f"Median TTFT: {med_s:.0f} ms with the shared preamble, {med_u:.0f} ms with unique prompts "
+      f"({med_u / med_s:.1f}x).")
+
+# %% [markdown]
+# **Exercise 2.** In the shared-preamble run, how many prompt tokens did the cache save (tokens whose
+# prefill was skipped)? The per-request table is below; `shared_run.steps` has the per-step counters.
+#
+# **Exercise 3.** What was the run's hit rate, in vLLM's sense (a fraction of prompt tokens)?
+
+# %%
+shared_run.requests[["request_id", "prompt_tokens", "cached_tokens", "queue_s", "ttft_s"]]
+
+# %%
+tokens_saved = None  # your answer, in tokens
+hit_rate = None      # your answer, a fraction between 0 and 1
+
+# %%
+per_request_hit = int(shared_run.requests.cached_tokens.max())
+q2 = ex.q2_tokens_saved(shared_run, per_request_hit)
+q2.check(tokens_saved)
+q3 = ex.q3_hit_rate(shared_run)
+q3.check(hit_rate)
+# q2.hint(); q3.hint()
+# q2.solution(); q3.solution()
+
+# %% [markdown]
+# Where did the misses happen? Each bar below is one engine step of the shared run: prompt tokens it
+# computed, and prompt tokens it took from the cache instead. Lookups happen when a request is
+# *admitted*, and a block enters the cache only after the step that computed it. So every request
+# admitted in the same step as the very first one found nothing yet.
+
+# %%
+st = shared_run.steps
+pre = st[(st.num_prefill_tokens > 0) | (st.prefix_cache_hits > 0)].reset_index(drop=True)
+fig, ax = plt.subplots(figsize=(8, 3.2))
+ax.bar(pre.index, pre.num_prefill_tokens, color="tab:orange", label="prompt tokens computed")
+ax.bar(pre.index, pre.prefix_cache_hits, bottom=pre.num_prefill_tokens, color="tab:green",
+       label="prompt tokens from the cache")
+ax.set(xlabel="engine step with prompt work", ylabel="tokens",
+       title="The cache is filled by the first step and used from the next")
+ax.set_xticks(pre.index)
+ax.legend()
+plt.show()
+missed = shared_run.requests.query("cached_tokens == 0")
+print(f"{len(missed)} of {N_REQ} requests found nothing in the cache: "
+      f"{', '.join(missed.request_id)} (admitted together in the first step); the others each got "
+      f"{per_request_hit} tokens.")
+
+# %% [markdown]
+# ## 3. The side channel: TTFT tells who sent what
+#
+# Now two tenants share the engine and, so far, one cache namespace. The legal team (the victim)
+# pastes confidential board memos into its prompts. Another tenant (the attacker) knows what such
+# memos look like and wants to know which ones the legal team has been working on. It cannot see
+# their requests, but it can send its own and time them: a memo that somebody already sent comes back
+# faster, because its blocks are in the cache.
+#
+# First a calibration, the way an attacker would check the method: the victim sends `K` memos; then
+# the attacker sends, in random order, those `K` memos and `K` memos nobody sent, each once, each
+# alone on the engine, and records the TTFT of each probe.
+#
+# **What to look for:** two clearly separated histograms, and a two-sample test that says the
+# difference is far too large to be chance.
+
+# %%
+K = P.pick(quick=8, full=16)
+MEMO_TOKENS = P.pick(quick=96, full=512)
+ALPHA = 0.01
+memos = [lab.text_of_length(tok, MEMO_TOKENS, seed=500 + i,
+                            prefix=f"Memo {i:04d}, board only, strictly confidential.\n")
+         for i in range(2 * K)]
+sent, unsent = memos[:K], memos[K:]
+victim, probes = sc.timing_attack(llm, sent, unsent, seed=0)
+hit = probes.loc[probes.group == sc.SENT, "ttft_s"]
+miss = probes.loc[probes.group == sc.UNSENT, "ttft_s"]
+leak_test = sc.two_sample_test(hit, miss, alpha=ALPHA)
+probes.groupby("group")[["ttft_s", "cached_tokens"]].median()
+
+# %%
+ax = sc.plot_groups(probes, sc.SENT, sc.UNSENT, leak_test,
+                    title="Shared cache: probes of sent memos answer sooner")
+plt.show()
+mw = sc.mann_whitney(hit, miss)
+print(f"Median TTFT of a probe: {1000 * hit.median():.0f} ms if the victim had sent the memo, "
+      f"{1000 * miss.median():.0f} ms if nobody had. {leak_test}. The Mann-Whitney test agrees: "
+      f"p = {mw.p_value:.1e}.")
+
+# %% [markdown]
+# Why a test, and which one: the attacker only has a handful of noisy timings. A two-sample test asks
+# how often a difference at least this large would appear if both groups came from one distribution.
+# The permutation test ([`lab/sidechannel.py`](../minserve/lab/sidechannel.py)) answers by
+# shuffling the group labels thousands of times; the Mann-Whitney U test uses ranks only, so one
+# probe that happened to be slow (another process took the CPU) cannot drag the result. Below
+# `alpha` = 0.01 we call the difference significant.
+#
+# **Exercise 4.** The legal team has sent one memo about an acquisition; the attacker knows it is
+# about one of four companies. The next cell lets the victim send its memo (the choice is hidden in
+# `secret`; no peeking), then probes each of the four candidates once. Which company is it?
+
+# %%
+candidates = ["Heron", "Kestrel", "Osprey", "Plover"]
+secret = candidates[np.random.default_rng(20240).integers(4)]   # the victim's choice
+memo_for = {c: lab.text_of_length(tok, MEMO_TOKENS, seed=77,
+                                  prefix=f"{c} acquisition plan, board only, strictly confidential.\n")
+            for c in candidates}
+sc.probe(llm, [sc.Probe(memo_for[secret] + "\n\nList the three biggest risks.", tenant="victim",
+                        max_tokens=2)], live=False)
+guess_probes = sc.probe(llm, [sc.Probe(memo_for[c] + "\nTL;DR:", tenant="attacker")
+                              for c in candidates], title="attacker probes four candidates")
+guess = ex.guess_table(guess_probes, candidates)
+guess[["candidate", "TTFT (ms)"]].round(0)
+
+# %%
+acquisition_target = None  # your answer: one of "Heron", "Kestrel", "Osprey", "Plover"
+
+# %%
+q4 = ex.q4_which_memo(guess, secret)
+q4.check(acquisition_target)
+# q4.hint()
+# q4.solution()
+
+# %% [markdown]
+# **Exercise 5.** Write the Mann-Whitney statistic yourself: `U(a, b)` is the number of pairs
+# (x from `a`, y from `b`) with x > y, where a tie counts one half. The check calls your function on
+# this run's hit and miss timings (ms) and on a small case with ties. (With `U` near 0 for the hits,
+# almost every hit probe was faster than every miss probe.)
+
+# %%
+u_stat = None  # your answer: a function, e.g.
+# def u_stat(a, b):
+#     ...  # the number of pairs (x in a, y in b) with x > y, a tie counting 1/2
+
+# %%
+q5 = ex.q5_u_statistic(1000 * hit, 1000 * miss)
+q5.check(u_stat)
+# q5.hint()
+# q5.solution()
+
+# %% [markdown]
+# ## 4. Closing the leak: a salt per tenant
+#
+# `cache_salt` is part of every block key, so two requests with different salts never share a block,
+# even for identical text. Give each tenant its own salt and the attacker can only ever hit blocks
+# its own requests computed. Same experiment, same memos, same order; the one difference is the two
+# salts.
+#
+# **What to look for:** no probe finds anything in the cache, the histograms overlap, and the test
+# is no longer significant.
+
+# %%
+victim_salted, salted = sc.timing_attack(llm, sent, unsent, victim_salt="tenant-legal",
+                                         attacker_salt="tenant-other", seed=0)
+s_hit = salted.loc[salted.group == sc.SENT, "ttft_s"]
+s_miss = salted.loc[salted.group == sc.UNSENT, "ttft_s"]
+salted_test = sc.two_sample_test(s_hit, s_miss, alpha=ALPHA)
+cross_hits = int(salted.cached_tokens.sum())
+assert cross_hits == 0, "with different salts no attacker probe may find a cached block"
+ax = sc.plot_groups(salted, sc.SENT, sc.UNSENT, salted_test,
+                    title="One salt per tenant: sent and unsent memos look alike")
+plt.show()
+print(f"Cached tokens found by the attacker's probes: {cross_hits}. Median TTFT: "
+      f"{1000 * s_hit.median():.0f} ms (sent) vs {1000 * s_miss.median():.0f} ms (not sent). "
+      f"{salted_test}.")
+
+# %% [markdown]
+# **Exercise 6.** With per-tenant salts, does the timing still leak which memos the victim sent?
+# Answer `"leak"` or `"no leak"`.
+
+# %%
+salted_verdict = None  # your answer: "leak" or "no leak"
+
+# %%
+q6 = ex.q6_salted(salted, salted_test)
+q6.check(salted_verdict)
+# q6.hint()
+# q6.solution()
+
+# %% [markdown]
+# A significance level is a promise about false alarms: with identical distributions, a test at
+# `alpha` = 0.01 still flags one run in a hundred. That is why the check above decides by the
+# mechanism (no block was shared) and reads the test as evidence.
+#
+# ## 5. Over HTTP: the server salts by tenant for you
+#
+# `minserve serve` never hands a client's `cache_salt` to the engine as it is. It passes
+# `effective_salt(tenant, cache_salt)`, a digest of the tenant (from the API key) and the client's
+# salt ([`server/auth.py`](../minserve/server/auth.py)), so tenants are isolated even when clients
+# send no salt at all, and copying another tenant's salt gets nothing. It also keeps `/metrics` for
+# admin keys: the hit counters move when *anyone* hits the cache, which is the same side channel in
+# another form.
+#
+# The next cell starts the real app in this notebook (`lab.local_server.serve`, uvicorn on a free
+# local port) with two API keys, then asks for one memo three times and reads
+# `usage.prompt_tokens_details.cached_tokens` from each reply.
+
+# %%
+from minserve.server import Auth, Principal
+
+keys = {"sk-legal": Principal("legal"), "sk-other": Principal("other")}
+memo = lab.text_of_length(tok, MEMO_TOKENS, seed=901, prefix="Memo 9001, board only, strictly confidential.\n")
+with lab.local_server.serve(llm, auth=Auth(keys)) as srv:
+    def cached(key, prompt):
+        r = httpx.post(f"{srv.base_url}/v1/completions", timeout=120,
+                       headers={"Authorization": f"Bearer {key}"},
+                       json={"model": srv.model_name, "prompt": prompt, "max_tokens": 1})
+        r.raise_for_status()
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    http_rows = [("legal", "sends the memo", cached("sk-legal", memo + "\n\nSummarize it.")),
+                 ("other", "probes the same memo", cached("sk-other", memo + "\nTL;DR:")),
+                 ("legal", "asks about it again", cached("sk-legal", memo + "\nTL;DR:"))]
+http_demo = pd.DataFrame(http_rows, columns=["tenant (API key)", "request", "cached tokens"])
+assert http_demo["cached tokens"][1] == 0 and http_demo["cached tokens"][2] > 0
+http_demo
+
+# %% [markdown]
+# The other tenant's probe found nothing; the legal team's own second request found its blocks.
+#
+# ## 6. Explore
+#
+# The panel runs `lab.prefix.prefix_experiment`, the function section 2 called, with the values on
+# its sliders (rate, concurrency, prompt and output length, engine sizes) and a fixed share of each
+# prompt taken by the preamble. Things to try: the same workload at 2 requests/s instead of all at
+# once (do the early misses disappear?); a KV budget so small that the preamble's blocks get evicted
+# between requests. In CI no button is pressed; the cell after it calls the function directly.
+
+# %%
+panel = lab.control_panel(run=px.prefix_experiment, preset=P,
+                          engine_args=dict(enable_prefix_caching=True, shared_fraction=SHARED,
+                                           preamble=POLICY),
+                          num_requests=N_REQ, prompt_tokens=PROMPT_TOKENS, output_tokens=OUT_TOKENS)
+panel
+
+# %%
+explore = px.prefix_experiment(P, num_requests=4, request_rate=4.0, prompt_tokens=PROMPT_TOKENS,
+                               output_tokens=OUT_TOKENS, shared_fraction=SHARED, preamble=POLICY,
+                               live=False)
+explore_rep = px.cache_report(explore)
+print(f"At 4 requests/s: {explore_rep['requests_with_hits']} of {explore_rep['requests']} requests "
+      f"hit, hit rate {explore_rep['hit_rate']:.2f}.")
+explore.percentiles()
+
+# %% [markdown]
+# ## 7. Record your baseline
+
+# %%
+baseline = {
+    "agent_cold_ttft_ms": round(1000 * cold.metrics.ttft_s, 1),
+    "agent_warm_ttft_ms": round(1000 * warm.metrics.ttft_s, 1),
+    "agent_cached_tokens": int(warm.num_cached_tokens),
+    "workload": {name: {"queries": int(counters[name]["queries"]), "hits": int(counters[name]["hits"]),
+                        "median_ttft_ms": round(1000 * run.requests.ttft_s.median(), 1)}
+                 for name, run in runs.items()},
+    "shared_hit_rate": round(px.cache_report(shared_run)["hit_rate"], 3),
+    "probe_ttft_ms": {"hit": round(1000 * hit.median(), 1), "miss": round(1000 * miss.median(), 1)},
+    "leak_p_value": leak_test.p_value,
+    "salted_p_value": salted_test.p_value,
+    "salted_cross_tenant_hits": cross_hits,
+}
+baseline_path = lab.record_baseline("04", baseline)
+if lab01 and lab01.get("prefill_tok_per_s"):
+    fixed_ms = lab01.get("prefill_fixed_ms", 0.0)
+    predicted = fixed_ms + 1000 * len(cold.prompt_token_ids) / lab01["prefill_tok_per_s"]
+    print(f"\nLab 01's prefill line (fixed cost + tokens / speed) predicts {predicted:.0f} ms for the "
+          f"cold agent request; it took {1000 * cold.metrics.ttft_s:.0f} ms. The warm one, "
+          f"{1000 * warm.metrics.ttft_s:.0f} ms, paid for {len(warm.prompt_token_ids) - warm.num_cached_tokens} "
+          "tokens only.")
+
+# %% [markdown]
+# ## Summary
+#
+# - The prefix cache works in whole blocks keyed by everything before them, so a request reuses the
+#   longest run of full blocks it shares with what was computed before; a partly shared block is
+#   computed again, and so is the last prompt token.
+# - A hit skips prefill, so it cuts TTFT (and prefill work); it does nothing for the decode that
+#   follows.
+# - Measure the benefit in tokens: `vllm:prefix_cache_hits / vllm:prefix_cache_queries`. Requests
+#   admitted together with the first one find nothing yet, because blocks are published only once
+#   computed.
+# - A shared cache is a timing side channel: TTFT says whether a prefix was already there. A two-sample
+#   test turned a handful of probes into a clear verdict.
+# - A per-tenant `cache_salt` closes it: different salts never share a block. `minserve serve` does
+#   this by default (salt bound to the API key's tenant) and restricts `/metrics` to admin keys.
+#
+# This run's numbers are above and in `labs/results/04.json`.
+#
+# ## Stretch goals
+#
+# - Rerun section 2 with `enable_prefix_caching=False` passed to `px.prefix_experiment` (the same
+#   workloads on an engine without the cache): which numbers in the report change, and which stay?
+# - How few probes does the attacker need? Rerun section 3 with `K = 3` and `K = 5`: at what point
+#   does the test stop being significant at 0.01, even without salts?
+# - Make the memos share a 64-token public header before the confidential part. What do the
+#   attacker's probes of unsent memos now find in the cache, and does the leak survive?
+# - Run the HTTP cell with a single API key for both tenants (`Auth({"sk-shared": Principal("team")})`):
+#   the two "tenants" now share a cache. When is that what you want?
