@@ -182,3 +182,29 @@ def test_lab01_queue_steps_exercise_rounds_down():
     q = q5_steps_queued(1500, 512, 2)
     assert q.evaluate(2).ok and q.reference() == 2
     assert "rounds up" in q.evaluate(3).message
+
+
+# ---- named mistakes fire before the tolerance -------------------------------------------------
+
+def test_a_mistake_inside_the_tolerance_is_named():
+    """E2E / n lies within a 30 % tolerance of (E2E - TTFT) / (n - 1) on some runs: the learner who
+    divided the wrong thing must hear so, not "Correct"."""
+    q = NumberCheck("q", 100.0, solution="answer = 100.0", hint="h", rel_tol=0.3,
+                    mistakes=[Mistake("that divides E2E by n", value=80.0)])
+    v = q.evaluate(80.0)
+    assert not v.ok and "divides E2E by n" in v.message
+    assert q.evaluate(97.0).ok          # nearer the right value than the mistake: right
+    assert q.evaluate(100.0).ok
+
+
+def test_a_predicate_mistake_never_overrules_a_right_answer():
+    q = NumberCheck("q", 9, solution="answer = 9", hint="h", integer=True,
+                    mistakes=[Mistake("counts decode only", test=lambda a: a in (8, 9))])
+    assert q.evaluate(9).ok
+    assert "decode only" in q.evaluate(8).message
+
+
+def test_indistinct_mistakes_are_reported():
+    q = NumberCheck("q", 3, solution="answer = 3", hint="h", integer=True,
+                    mistakes=[Mistake("rounds up", value=3), Mistake("forgets a step", value=2)])
+    assert [m.message for m in q.indistinct_mistakes()] == ["rounds up"]

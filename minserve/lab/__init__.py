@@ -28,7 +28,7 @@ from minserve.lab import local_server, prefix, sidechannel, traffic  # labs 04 a
 from minserve.lab.checks import ChoiceCheck, CheckFailed, FunctionCheck, Mistake, NumberCheck
 from minserve.lab.controls import control_panel, run_experiment
 from minserve.lab.hygiene import Calibration, Load, LoadProbe, calibrate, machine_load, warm
-from minserve.lab.lessons import Lesson, lesson
+from minserve.lab.lessons import Lesson, lesson, summary
 from minserve.lab.correlate import add_context, compare_distributions, correlation_grid, pearson, scatter_corr
 from minserve.lab.presets import CI_ENV, PRESET_ENV, Preset, get_preset, is_ci
 from minserve.lab.results import load_baseline, record_baseline
@@ -44,7 +44,7 @@ __all__ = [
     "record_baseline", "engine_for", "environment_summary", "release_engine", "setup",
     "chunk_table", "request_timeline", "EngineRecordsRequired", "RunResult", "make_requests",
     "run_sweep", "run_workload", "scenario_requests", "text_of_length",
-    "Calibration", "Load", "LoadProbe", "calibrate", "machine_load", "warm", "Lesson", "lesson",
+    "Calibration", "Load", "LoadProbe", "calibrate", "machine_load", "warm", "Lesson", "lesson", "summary",
 ]
 
 # Labs 02 and 03: static vs continuous batching, load sweeps, KV-cache pressure (lab/capacity.py).

@@ -176,6 +176,13 @@ class Mistake:
     rel_tol: float = 0.02
     test: Callable[[Any], bool] | None = None
 
+    def resolved(self) -> float | None:
+        """The mistake's value on this run (None for a predicate mistake)."""
+        if self.test is not None:
+            return None
+        v = self.value() if callable(self.value) else self.value
+        return None if v is None else float(v)
+
     def matches(self, answer) -> bool:
         if self.test is not None:
             try:
@@ -215,11 +222,15 @@ class NumberCheck(Check):
             tol = max(self.abs_tol, self.rel_tol * abs(e))
             tol_text = f"within ± {self._u(tol)}"
         why = f" ({tol_text}: {self.tolerance_why})" if self.tolerance_why else f" ({tol_text})"
+        # Named mistakes first: a tolerance wide enough for a noisy measurement can also contain a
+        # typical mistake (E2E / n beside (E2E - TTFT) / n), and the learner who made it must hear
+        # which one it was. A value mistake wins only where the answer is nearer to it than to
+        # this run's value, so a right answer is never called a mistake.
+        mistake = self._mistake(a, e, abs(a - e) <= tol)
+        if mistake is not None:
+            return False, f"{self._u(a)} is not it: {mistake.message}"
         if abs(a - e) <= tol:
             return True, f"{self._u(a)} matches this run's {self._u(e)}{why}."
-        for m in self.mistakes:
-            if m.matches(answer):
-                return False, f"{self._u(a)} is not it: {m.message}"
         msg = f"{self._u(a)} is not this run's value"
         if e != 0 and a != 0:
             ratio = a / e
@@ -231,6 +242,27 @@ class NumberCheck(Check):
         else:
             msg += f"{why}."
         return False, f"{msg} Hint: {self.hint_text}"
+
+
+    def _mistake(self, a: float, e: float, within: bool) -> Mistake | None:
+        for m in self.mistakes:
+            if not m.matches(a):
+                continue
+            v = m.resolved()
+            if v is None:   # a predicate that also accepts this run's value cannot overrule it
+                if not (within and m.matches(e)):
+                    return m
+            elif abs(a - v) < abs(a - e):
+                return m
+        return None
+
+    def indistinct_mistakes(self) -> list[Mistake]:
+        """Value mistakes that this run cannot tell from the right answer (within the tolerance
+        of the expected value): an exercise whose data makes a mistake right tests nothing."""
+        e = float(self.expected())
+        tol = 0.0 if self.integer else max(self.abs_tol, self.rel_tol * abs(e))
+        return [m for m in self.mistakes if m.resolved() is not None
+                and abs(float(m.resolved()) - e) <= max(tol, 1e-9)]
 
 
 class ChoiceCheck(Check):

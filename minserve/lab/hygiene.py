@@ -78,12 +78,19 @@ class LoadProbe:
         return self
 
     def stop(self) -> Load:
+        self.load = self.peek()
+        self._hint._last = None      # stopped: a later peek or stop has no window
+        return self.load
+
+    def peek(self) -> Load:
+        """The load so far, leaving the window open."""
         cpus = len(self._hint.cpus) or (os.cpu_count() or 1)
         seconds = time.perf_counter() - self._t0
+        start = self._hint._last
         free = self._hint() if seconds >= 0.1 else None
+        self._hint._last = start     # CpuLoadHint moves its window on each call: put it back
         others = None if free is None else max(0.0, cpus - free)
-        self.load = Load(others_cores=others, cpus=cpus, seconds=seconds)
-        return self.load
+        return Load(others_cores=others, cpus=cpus, seconds=seconds)
 
     def __enter__(self) -> "LoadProbe":
         return self.start()

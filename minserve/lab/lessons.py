@@ -30,7 +30,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from minserve.lab.hygiene import Calibration, Load
+import time
+
+from minserve.lab.hygiene import Calibration, Load, LoadProbe
 from minserve.lab.results import results_dir
 
 CLEAN_RUN = ("For a clean run, rerun this section when the machine is quieter: close other "
@@ -55,11 +57,12 @@ class Lesson:
     def text(self) -> str:
         if self.shown:
             return f"Lesson shown: {self.claim}. {self.evidence}."
-        why = ("; ".join(self.causes) + ". " + CLEAN_RUN) if self.causes else (
-            "The machine was quiet and the calibration stable, so noise does not explain it: the "
-            "engine or the settings above may have changed. Please report it with this notebook's output.")
-        return (f"Lesson NOT shown in this run: {self.claim}. What this run measured: "
-                f"{self.evidence}. Likely cause: {why}")
+        head = f"Lesson NOT shown in this run: {self.claim}. What this run measured: {self.evidence}."
+        if self.causes:
+            return f"{head} Likely cause: {'; '.join(self.causes)}. {CLEAN_RUN}"
+        return (f"{head} No measured cause: the machine was quiet and no calibration was unstable, so "
+                "noise does not explain it; the engine or the settings above may have changed. "
+                "Please report it with this notebook's output.")
 
 
 def causes_of(load: Load | None = None, calibration: Calibration | None = None,
@@ -83,15 +86,53 @@ def lesson(key: str, claim: str, *, shown: bool, evidence: str, load: Load | Non
     """Check one lesson, print what the run showed, and record it (see the module docstring).
     ``causes`` adds reasons the notebook measured itself (e.g. "two of five sweep points were
     slower than the calibration")."""
+    if load is None and _run["probe"] is not None:
+        load = _run["probe"].peek()   # no window given: the load since lab.setup()
     result = Lesson(key=key, claim=claim, shown=bool(shown), evidence=evidence.rstrip(". "),
                     causes=[] if shown else causes_of(load, calibration, causes))
+    if not shown and not result.causes and (load is None or load.others_cores is None):
+        result.causes = ["the load from other processes could not be measured here"]
     if echo:
         print(result.text())
     _record(result, load, directory)
     return result
 
 
+# This kernel's run of a lab: started by lab.setup(), closed by lab.summary().
+_run: dict = {"t0": None, "probe": None, "lessons": []}
+
+
+def start_run() -> None:
+    """Called by :func:`minserve.lab.setup`: the lab's run time and load are counted from here."""
+    _run.update(t0=time.perf_counter(), probe=LoadProbe().start(), lessons=[])
+
+
+def summary(lab: str, preset=None) -> dict:
+    """The lab's closing line: its run time since ``lab.setup()``, the load other processes put on
+    the machine meanwhile, and which of its lessons this run showed. Returned as a dict too."""
+    from minserve.lab.presets import get_preset
+    preset = preset or get_preset()
+    t0 = _run["t0"] if _run["t0"] is not None else time.perf_counter()
+    load = _run["probe"].stop() if _run["probe"] is not None else None
+    mine = [x for x in _run["lessons"] if x.lab == lab]
+    shown = [x for x in mine if x.shown]
+    minutes = (time.perf_counter() - t0) / 60
+    text = f"Lab {lab} ran in {minutes:.1f} min ({preset.name} preset)"
+    if load is not None:
+        text += f"; {load.describe()}"
+    if mine:
+        text += f". Lessons shown: {len(shown)} of {len(mine)}"
+        missing = [x.claim for x in mine if not x.shown]
+        if missing:
+            text += " (not shown in this run: " + "; ".join(missing) + ")"
+    print(text + ".")
+    return {"lab": lab, "minutes": round(minutes, 2), "preset": preset.name,
+            "load": None if load is None else load.as_dict(),
+            "lessons": {x.key: x.shown for x in mine}}
+
+
 def _record(result: Lesson, load: Load | None, directory) -> None:
+    _run["lessons"].append(result)
     try:
         path = Path(results_dir(directory)) / "lessons" / f"{result.lab}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)

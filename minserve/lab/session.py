@@ -67,7 +67,10 @@ def figure_style() -> None:
 
 
 def setup(log_level: str | int = "WARNING", preset: str | None = None) -> Preset:
-    """Quiet logs, figure defaults; returns this run's preset (``MINSERVE_LAB_PRESET``)."""
+    """Quiet logs, figure defaults; returns this run's preset (``MINSERVE_LAB_PRESET``). The lab's
+    run time and the machine's load are counted from here (``lab.summary(...)`` reports them)."""
+    from minserve.lab.lessons import start_run
+    start_run()
     quiet_logging(log_level)
     figure_style()
     try:

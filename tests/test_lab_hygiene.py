@@ -1,0 +1,94 @@
+"""Measurement hygiene (minserve/lab/hygiene.py) and checked lessons (minserve/lab/lessons.py):
+the load probe sees other processes and not this one, calibrations repeat until stable and say
+when they are not, a lesson that does not show names the measured cause, warm-up runs the shapes."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from minserve.lab import hygiene, lessons
+from minserve.lab.hygiene import Calibration, Load, LoadProbe, calibrate
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/stat is Linux's")
+
+
+def _spin(seconds: float) -> None:
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        pass
+
+
+@linux_only
+def test_load_probe_counts_another_process_and_not_this_one():
+    with LoadProbe() as mine:
+        _spin(1.0)
+    assert mine.load.others_cores is not None and mine.load.others_cores < 0.5
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        with LoadProbe() as other:
+            time.sleep(1.5)
+    finally:
+        hog.kill()
+        hog.wait()
+    assert other.load.others_cores > 0.6, other.load
+    assert other.load.busy and "busy" in other.load.describe()
+
+
+def test_calibrate_repeats_until_the_last_runs_agree():
+    values = iter([5.0, 2.0, 1.0, 1.05, 0.98, 1.0, 1.0])
+    cal = calibrate(lambda: next(values), repeats=3, max_runs=7, tolerance=0.1, echo=False)
+    assert cal.samples[0] == 5.0 and 5.0 not in cal.kept        # the cold first run is dropped
+    assert cal.stable and cal.kept == [1.0, 1.05, 0.98] and cal.median == 1.0
+    assert len(cal.samples) == 5
+
+
+def test_calibrate_says_when_it_never_settled():
+    values = iter([1.0, 1.0, 2.0, 1.0, 3.0, 1.0])
+    cal = calibrate(lambda: next(values), repeats=3, max_runs=6, tolerance=0.1, echo=False)
+    assert not cal.stable and len(cal.samples) == 6
+    assert "NOT stable" in cal.describe()
+    with pytest.raises(ValueError, match="repeats"):
+        calibrate(lambda: 1.0, repeats=4, max_runs=2)
+
+
+def test_a_lesson_that_does_not_show_names_its_measured_causes(tmp_path):
+    busy = Load(others_cores=0.9, cpus=2, seconds=30)
+    shaky = Calibration("service time", [2.0, 1.0, 1.5, 1.1], [1.0, 1.5, 1.1], tolerance=0.2)
+    got = lessons.lesson("07-knee", "goodput falls past the knee", shown=False,
+                         evidence="goodput 1.2 at 2x vs 1.1 at 1x", load=busy, calibration=shaky,
+                         echo=False, directory=tmp_path)
+    text = got.text()
+    assert text.startswith("Lesson NOT shown") and "0.90 of 2 cores" in text and "45 % apart" in text
+    shown = lessons.lesson("07-room", "the room helps", shown=True, evidence="2.0 vs 1.0",
+                           load=busy, echo=False, directory=tmp_path)
+    assert shown.text().startswith("Lesson shown") and shown.causes == []
+    rows = lessons.recorded("07", tmp_path)
+    assert [r["key"] for r in rows] == ["07-knee", "07-room"] and rows[0]["load"]["busy"]
+
+
+def test_a_quiet_run_that_misses_a_lesson_says_noise_is_not_the_cause(tmp_path):
+    quiet = Load(others_cores=0.02, cpus=2, seconds=30)
+    got = lessons.lesson("04-warm", "warm TTFT is lower", shown=False, evidence="warm 300 ms, cold 200 ms",
+                         load=quiet, echo=False, directory=tmp_path)
+    assert "No measured cause" in got.text() and "report" in got.text()
+
+
+def test_summary_counts_this_runs_lessons(tmp_path, capsys):
+    lessons.start_run()
+    lessons.lesson("02-a", "a", shown=True, evidence="x", echo=False, directory=tmp_path)
+    lessons.lesson("02-b", "b", shown=False, evidence="y", echo=False, directory=tmp_path)
+    out = lessons.summary("02")
+    assert out["lessons"] == {"02-a": True, "02-b": False}
+    assert "Lessons shown: 1 of 2" in capsys.readouterr().out
+
+
+def test_warm_runs_each_prompt_shape_and_batch(tiny_llm):
+    eng = tiny_llm.llm_engine
+    before = eng.num_steps
+    w = hygiene.warm(tiny_llm, prompt_tokens=[8, 200, 10_000], batch_sizes=[1, 4, 999])
+    assert w.prompt_tokens[:2] == [8, 200] and w.prompt_tokens[-1] < eng.max_model_len
+    assert w.batch_sizes == [1, 4, eng.config.max_num_seqs]
+    assert eng.num_steps > before and not eng.has_unfinished_requests()
