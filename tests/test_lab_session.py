@@ -98,6 +98,27 @@ def test_run_experiment_and_the_panel_call_the_same_function():
     lab.release_engine()
 
 
+def test_panel_sliders_show_the_engines_real_values():
+    """Lab 03's slider showed 32 KV blocks for an engine with 28, lab 07's "max_num_seqs
+    (server's) 16" for a 4-seat server: the sliders must show what the engine really has."""
+    import ipywidgets as w
+    p = Preset(name="quick", model="tiny-llama")
+    llm = lab.engine_for(p, max_num_seqs=3, kv_cache_memory=28 * 16 * 512)  # 28 blocks of 16 tokens
+    blocks = llm.llm_engine.kv.pool.num_blocks
+    panel = lab.control_panel(preset=p, engine=llm, num_kv_blocks=32, prompt_tokens=16)
+    values = {c.description: c.value for c in panel.widget.children if isinstance(c, w.IntSlider)}
+    assert values["KV budget (blocks)"] == blocks != 32 and values["max_num_seqs"] == 3
+    assert values["prompt tokens"] == 16
+    served = lab.control_panel(preset=p, engine=llm, base_url="http://127.0.0.1:9")
+    shown = {c.description: (c.value, c.disabled) for c in served.widget.children
+             if isinstance(c, w.IntSlider)}
+    assert shown["max_num_seqs (server's)"] == (3, True)
+    unknown = lab.control_panel(preset=p, base_url="http://127.0.0.1:9")   # nothing answers there
+    notes = [c.value for c in unknown.widget.children if isinstance(c, w.HTML)]
+    assert sum("set by the server" in n for n in notes) == 3
+    lab.release_engine()
+
+
 def test_baseline_round_trip(tmp_path, capsys):
     p = Preset(name="quick", model="tiny-llama")
     path = lab.record_baseline("01", {"ttft_ms": 12.5, "nan": float("nan"), "nested": {"a": 1}},

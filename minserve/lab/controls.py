@@ -68,26 +68,70 @@ class ControlPanel:
         display(self.widget)
 
 
+def engine_settings(engine=None, preset: Preset | None = None, base_url: str | None = None) -> dict:
+    """The values a panel's engine sliders show: the engine's own (``engine``: an LLM or
+    LLMEngine, e.g. the one behind a notebook's local server), else for ``base_url`` what the
+    server's ``/metrics`` tell (``vllm:cache_config_info`` carries the KV pool's size; the other
+    knobs are None: unknown over HTTP), else the preset's."""
+    if engine is not None:
+        eng = getattr(engine, "llm_engine", engine)
+        return {"max_num_seqs": int(eng.config.max_num_seqs),
+                "max_num_batched_tokens": int(eng.config.max_num_batched_tokens),
+                "num_kv_blocks": int(eng.kv.pool.num_blocks)}
+    if base_url is not None:
+        return {"max_num_seqs": None, "max_num_batched_tokens": None,
+                "num_kv_blocks": _server_kv_blocks(base_url)}
+    eng = (preset or get_preset()).engine_kwargs()
+    return {"max_num_seqs": eng.get("max_num_seqs", 16),
+            "max_num_batched_tokens": eng.get("max_num_batched_tokens", 512),
+            "num_kv_blocks": eng.get("num_kv_blocks") or 256}
+
+
+def _server_kv_blocks(base_url: str) -> int | None:
+    import re
+    try:
+        import httpx
+        text = httpx.get(f"{base_url.rstrip('/')}/metrics", timeout=5).text
+    except Exception:  # noqa: BLE001 - unknown is an answer
+        return None
+    m = re.search(r'vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text)
+    return int(m.group(1)) if m else None
+
+
 def control_panel(run: Callable[..., Any] = run_experiment, preset: Preset | None = None,
                   base_url: str | None = None, engine_args: dict | None = None,
-                  **defaults) -> ControlPanel | None:
+                  engine=None, **defaults) -> ControlPanel | None:
     """Sliders for :func:`run_experiment`'s arguments and a Run button that calls ``run`` with
     them (plus ``engine_args``, fixed engine arguments such as ``enable_prefix_caching=False``).
-    ``defaults`` set the starting values. Returns None (with a note) without ipywidgets."""
+    ``defaults`` set the starting values of the workload sliders. The engine sliders start at the
+    real engine's values (``engine``, or the server's at ``base_url``; see
+    :func:`engine_settings`): over HTTP they are the server's and cannot be changed. The Run
+    button's live figure and progress line redraw in the panel while it runs. Returns None (with a
+    note) without ipywidgets."""
     try:
         import ipywidgets as w
     except ImportError:
         print("ipywidgets is not installed: call run_experiment(...) directly "
               "(pip install ipywidgets for the panel).")
         return None
-    from IPython.display import display
     preset = preset or get_preset()
-    eng = preset.engine_kwargs()
+    real = engine_settings(engine, preset, base_url)
     d = {"num_requests": 8, "request_rate": math.inf, "max_concurrency": None,
-         "prompt_tokens": 128, "output_tokens": 32,
-         "max_num_seqs": eng.get("max_num_seqs", 16),
-         "max_num_batched_tokens": eng.get("max_num_batched_tokens", 512),
-         "num_kv_blocks": eng.get("num_kv_blocks") or 256, **defaults}
+         "prompt_tokens": 128, "output_tokens": 32, **defaults}
+    for k, v in real.items():
+        d[k] = v if base_url is not None or engine is not None or k not in defaults else defaults[k]
+    ctl = _controls(w, d)
+    if base_url is not None:
+        for k in ENGINE_KNOBS:
+            if d[k] is None:   # unknown over HTTP: say so rather than show a made-up value
+                ctl[k] = w.HTML(f"<code>{k}</code>: set by the server (not visible over HTTP)")
+            else:
+                ctl[k].disabled = True
+                ctl[k].description += " (server's)"
+    return _assemble(w, ctl, run, preset, base_url, engine_args)
+
+
+def _controls(w, d: dict) -> dict:
     style = {"description_width": "190px"}
     layout = w.Layout(width="460px")
 
@@ -96,54 +140,59 @@ def control_panel(run: Callable[..., Any] = run_experiment, preset: Preset | Non
             options = options + [(str(value), value)]
         return w.Dropdown(description=desc, options=options, value=value, style=style, layout=layout)
 
+    def slider(desc, value, lo, hi, step=1):
+        value = lo if value is None else value
+        return w.IntSlider(description=desc, value=value, min=min(lo, value), max=max(hi, value),
+                           step=step, style=style, layout=layout)
+
     rates = [("all at once", math.inf)] + [(f"{r:g} req/s", float(r)) for r in (0.5, 1, 2, 4, 8, 16)]
     concs = [("no limit", None)] + [(str(c), c) for c in (1, 2, 4, 8, 16, 32)]
-    ctl = {
-        "num_requests": w.IntSlider(description="requests", value=d["num_requests"], min=1, max=128,
-                                    style=style, layout=layout),
+    return {
+        "num_requests": slider("requests", d["num_requests"], 1, 128),
         "request_rate": dd("request rate", rates, d["request_rate"]),
         "max_concurrency": dd("max concurrency (client)", concs, d["max_concurrency"]),
-        "prompt_tokens": w.IntSlider(description="prompt tokens", value=d["prompt_tokens"], min=8,
-                                     max=4096, step=8, style=style, layout=layout),
-        "output_tokens": w.IntSlider(description="output tokens", value=d["output_tokens"], min=2,
-                                     max=512, style=style, layout=layout),
-        "max_num_seqs": w.IntSlider(description="max_num_seqs", value=d["max_num_seqs"], min=1,
-                                    max=128, style=style, layout=layout),
+        "prompt_tokens": slider("prompt tokens", d["prompt_tokens"], 8, 4096),
+        "output_tokens": slider("output tokens", d["output_tokens"], 2, 512),
+        "max_num_seqs": slider("max_num_seqs", d["max_num_seqs"], 1, 128),
         "max_num_batched_tokens": dd("max_num_batched_tokens",
                                      [(str(v), v) for v in (64, 128, 256, 512, 1024, 2048, 4096)],
-                                     d["max_num_batched_tokens"]),
-        "num_kv_blocks": w.IntSlider(description="KV budget (blocks)", value=d["num_kv_blocks"],
-                                     min=8, max=4096, step=8, style=style, layout=layout),
+                                     d["max_num_batched_tokens"] or 512),
+        "num_kv_blocks": slider("KV budget (blocks)", d["num_kv_blocks"], 8, 4096),
     }
-    if base_url is not None:
-        for k in ENGINE_KNOBS:
-            ctl[k].disabled = True
-            ctl[k].description += " (server's)"
+
+
+def _assemble(w, ctl: dict, run, preset, base_url, engine_args) -> ControlPanel:
+    from IPython.display import display
+
+    from minserve.lab.live import rendering_into
     button = w.Button(description="Run", button_style="primary", icon="play")
-    out = w.Output()
+    bar_out, fig_out, out = w.Output(), w.Output(), w.Output()
 
     def values() -> dict:
-        v = {k: c.value for k, c in ctl.items()}
+        v = {k: c.value for k, c in ctl.items() if hasattr(c, "value") and not isinstance(c, w.HTML)}
         if base_url is not None:
             for k in ENGINE_KNOBS:
-                v.pop(k)
+                v.pop(k, None)
             v["base_url"] = base_url
         else:
             v.update(engine_args or {})
         return v
 
-    panel = ControlPanel(w.VBox([w.HTML("<b>Experiment</b>"), *ctl.values(), button, out]), values, run)
+    panel = ControlPanel(w.VBox([w.HTML("<b>Experiment</b>"), *ctl.values(), button, bar_out,
+                                 fig_out, out]), values, run)
 
     def on_click(_):
         button.disabled = True
         try:
-            with out:
-                out.clear_output()
+            for area in (bar_out, fig_out, out):
+                area.clear_output()
+            with rendering_into(fig_out, bar_out), out:
                 result = run(preset, **values())
                 panel.results.append(result)
                 display(result.percentiles())
         finally:
             button.disabled = False
 
+    panel.button = button
     button.on_click(on_click)
     return panel

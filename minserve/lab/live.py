@@ -38,6 +38,53 @@ def in_notebook() -> bool:
     return ip is not None and getattr(ip, "kernel", None) is not None
 
 
+# Where live views draw: None means the cell's own output (display handles). A widget callback
+# (a control panel's Run button) sets two ipywidgets.Output areas instead: JupyterLab does not
+# route ``update_display`` messages into an Output widget, so a display handle created inside one
+# never redraws (the figure stayed at its first frame); clearing and redrawing the area does.
+_SINK: dict = {"figure": None, "progress": None}
+
+
+class rendering_into:
+    """``with rendering_into(fig_out, bar_out): ...``: live figures and progress lines drawn in
+    the block go to these ``ipywidgets.Output`` areas, redrawn in place."""
+
+    def __init__(self, figure_area, progress_area):
+        self.areas = {"figure": figure_area, "progress": progress_area}
+
+    def __enter__(self):
+        self._saved = dict(_SINK)
+        _SINK.update(self.areas)
+        return self
+
+    def __exit__(self, *exc):
+        _SINK.update(self._saved)
+
+
+class _AreaHandle:
+    """A display handle's ``update`` for an Output widget: clear it, draw the new object."""
+
+    def __init__(self, area, obj):
+        self.area = area
+        self.update(obj)
+
+    def update(self, obj) -> None:
+        from IPython.display import display
+        with self.area:
+            self.area.clear_output(wait=True)
+            display(obj)
+
+
+def show(obj, kind: str):
+    """Display ``obj`` (a figure image or a progress line) where live views draw now; returns a
+    handle with ``update(obj)``."""
+    area = _SINK.get(kind)
+    if area is not None:
+        return _AreaHandle(area, obj)
+    from IPython.display import display
+    return display(obj, display_id=True)
+
+
 def figure_png(fig) -> bytes:
     # No tight bounding box and fast compression: a frame must be cheap (see LiveRun.tick).
     buf = io.BytesIO()
@@ -100,8 +147,7 @@ class LiveRun:
         self._t0 = self._last_draw = self._last_bar = time.perf_counter()
         if not self.enabled:
             return
-        from IPython.display import display
-        self._bar_handle = display(_Progress(0, self.total, 0.0, self.title), display_id=True)
+        self._bar_handle = show(_Progress(0, self.total, 0.0, self.title), "progress")
 
     def tick(self, done: int, idle: bool = False) -> None:
         """Called often (every engine step). Redraws at most every ``interval_s``; while requests
@@ -138,10 +184,10 @@ class LiveRun:
         return self._fig
 
     def _show(self, fig) -> None:
-        from IPython.display import Image, display
+        from IPython.display import Image
         img = Image(data=figure_png(fig), format="png")
         if self._fig_handle is None:
-            self._fig_handle = display(img, display_id=True)
+            self._fig_handle = show(img, "figure")
         else:
             self._fig_handle.update(img)
         self.num_frames += 1
@@ -182,8 +228,7 @@ class Progress:
         self._t0 = time.perf_counter()
         self._handle = None
         if self.enabled:
-            from IPython.display import display
-            self._handle = display(self._bar(0), display_id=True)
+            self._handle = show(self._bar(0), "progress")
 
     def _bar(self, done: int) -> _Progress:
         return _Progress(done, self.total, time.perf_counter() - self._t0, self.title, self.unit)

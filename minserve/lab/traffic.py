@@ -429,10 +429,8 @@ class LiveTraffic:
     def start(self) -> None:
         self._t0 = self._last = time.perf_counter()
         if self.enabled:
-            from IPython.display import display
-
-            from minserve.lab.live import _Progress
-            self._bar_handle = display(_Progress(0, self.total, 0.0, self.title), display_id=True)
+            from minserve.lab.live import _Progress, show
+            self._bar_handle = show(_Progress(0, self.total, 0.0, self.title), "progress")
 
     def _bar(self, done: int):
         from minserve.lab.live import _Progress
@@ -464,12 +462,12 @@ class LiveTraffic:
         fig = self._figure()
         draw_traffic(fig, df, st, self.slo, title)
         if self.enabled:
-            from IPython.display import Image, display
+            from IPython.display import Image
 
-            from minserve.lab.live import figure_png
+            from minserve.lab.live import figure_png, show
             img = Image(data=figure_png(fig), format="png")
             if self._fig_handle is None:
-                self._fig_handle = display(img, display_id=True)
+                self._fig_handle = show(img, "figure")
             else:
                 self._fig_handle.update(img)
 
