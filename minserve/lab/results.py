@@ -43,20 +43,29 @@ def _clean(v):
 def record_baseline(lab: str, numbers: dict, directory: str | Path | None = None,
                     preset=None, echo: bool = True) -> Path:
     """Write ``numbers`` (a flat or nested dict of this run's measurements) with the run's context
-    (preset, device, model, machine, date) to ``<results>/<lab>.json``; returns the path."""
+    (preset, device, model, machine, date, and the load other processes put on the machine since
+    ``lab.setup()``) to ``<results>/<lab>.json``; returns the path."""
     from minserve.lab.presets import get_preset
     preset = preset or get_preset()
     path = results_dir(directory) / f"{lab}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"lab": lab, "date": datetime.now().isoformat(timespec="seconds"),
            "preset": preset.name, "device": preset.device, "model": preset.model,
-           "machine": platform.machine(), "cpus": os.cpu_count(), "numbers": _clean(numbers)}
+           "machine": platform.machine(), "cpus": os.cpu_count(), "load": _load_so_far(),
+           "numbers": _clean(numbers)}
     path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     if echo:
         print(f"baseline of lab {lab} written to {path}:")
         for k, v in doc["numbers"].items():
             print(f"  {k}: {v}")
     return path
+
+
+def _load_so_far() -> dict | None:
+    """Other processes' CPU use since ``lab.setup()``: numbers from a busy machine say so."""
+    from minserve.lab.lessons import _run
+    probe = _run.get("probe")
+    return None if probe is None else probe.peek().as_dict()
 
 
 def load_baseline(lab: str, directory: str | Path | None = None) -> dict | None:
