@@ -21,10 +21,12 @@
 # prefix caching, in a few short files you can read in an afternoon. These labs use it to show where
 # the time goes when a language model serves many requests at once.
 #
-# **Run time:** about 1 minute on a 2-core laptop CPU (the default `quick` preset), plus 20–30 s
-# the very first time, while the model is converted. The tour is the same in the `full` preset
-# (`MINSERVE_LAB_PRESET=full` only sizes the later labs' workloads). The last cell prints how long
-# this run took.
+# **Run time:** about half a minute quiet, up to 1 minute on a busy machine (measured on a 2-core
+# CPU in the default `quick` preset: 0.3 min quiet, 0.4-0.7 min with other programs taking up to a
+# core), plus 20–30 s the very first time, while the model is converted. The tour is the same in
+# the `full` preset (`MINSERVE_LAB_PRESET=full` only sizes the later labs' workloads). The last
+# cell prints how long this run took, how busy the machine was meanwhile, and which of the tour's
+# lessons it showed.
 #
 # **Prerequisites:** Python and a little pandas; no serving background needed.
 #
@@ -50,14 +52,13 @@
 import dataclasses
 import time
 
-t_lab = time.perf_counter()
 import pandas as pd
 import torch
 
 from minserve import LLM, SamplingParams, lab
 from course import lab00 as ex
 
-preset = lab.setup()  # this run's preset (MINSERVE_LAB_PRESET), quiet logs, figure style
+preset = lab.setup()  # the preset (MINSERVE_LAB_PRESET), quiet logs, figure style; starts the clock
 try:  # the short checks of `minserve doctor`: one row per check, with a fix for each failure
     from minserve.workshop.doctor import format_checks, run_checks
 except ImportError:  # a minserve without `minserve doctor`: show the basics instead
@@ -78,12 +79,24 @@ else:
 #
 # The keyword arguments size the engine: at most `max_num_seqs` requests per batch, at most
 # `max_num_batched_tokens` tokens per step, KV cache in blocks of `block_size` tokens.
+#
+# A fresh engine is slow the first time it sees each shape of work (memory to allocate, thread
+# teams to start): on a 2-core CPU a first 300-token prefill took 3.8 s and the next one 0.9 s.
+# So the cell also **warms the engine up**: `lab.warm` runs, unmeasured, the prompt lengths and
+# batch sizes this tour times, and the tour leaves those warm-up requests out of its tables.
 
 # %%
 t0 = time.perf_counter()
 llm = LLM("smollm2-135m", max_num_seqs=16, max_num_batched_tokens=512, block_size=16,
           enable_prefix_caching=True, seed=0)
 print(f"model ready in {time.perf_counter() - t0:.1f} s on {llm.llm_engine.config.device}")
+warmed = lab.warm(llm, prompt_tokens=[8, 512, 600], batch_sizes=[1, 2, 8])
+print(f"warmed up in {warmed.seconds:.1f} s (prompts of {warmed.prompt_tokens} tokens, "
+      f"decode batches of {warmed.batch_sizes})")
+# What the warm-up left in the engine's records, so that the tour can leave it out.
+warm_ids = set(llm.llm_engine.requests_frame().request_id)
+tour_first_step = llm.llm_engine.num_steps
+snap0 = llm.llm_engine.snapshot()
 
 # %% [markdown]
 # ## 2. Generate text
@@ -177,7 +190,8 @@ stats.head(5)
 #
 # Every step and every request leaves a record. `steps_frame()` has one row per engine step and
 # `requests_frame()` one row per request, with times in seconds since the engine started; the same
-# numbers feed the Prometheus metrics (`snapshot()`), under vLLM's names.
+# numbers feed the Prometheus metrics (`snapshot()`), under vLLM's names. (The tour keeps its own
+# rows: the warm-up's are left out.)
 #
 # **What to look for in the plot:** the first steps of each `generate` call are prefills — many
 # tokens in one step, and a longer step. Decode steps carry one token per running request and take
@@ -187,8 +201,9 @@ stats.head(5)
 # %%
 import matplotlib.pyplot as plt
 
-steps = eng.steps_frame()
+steps = eng.steps_frame().query("step >= @tour_first_step")
 reqs = eng.requests_frame()
+reqs = reqs[~reqs.request_id.isin(warm_ids)].reset_index(drop=True)
 fig, ax = plt.subplots(figsize=(8, 3.5))
 colors = ["tab:orange" if p > 0 else "tab:blue" for p in steps.num_prefill_tokens]
 ax.scatter(steps.tokens, 1000 * steps.step_time_s, c=colors, s=14)
@@ -197,15 +212,26 @@ ax.set_xlabel("tokens computed in the step (log scale)")
 ax.set_ylabel("step time (ms)")
 ax.set_title("orange: steps with prefill, blue: decode-only steps")
 plt.show()
-reqs[["request_id", "prompt_tokens", "output_tokens", "queue_s", "ttft_s", "tpot_s", "e2e_s"]].round(3)
+decode_pair_shown, decode_pair_evidence = ex.decode_pair_lesson(steps)
+decode_pair = lab.lesson("00-decode-pair", "a decode step for two requests takes about as long as "
+                         "one for a single request: reading the weights dominates, not the "
+                         "arithmetic for one more token",
+                         shown=decode_pair_shown, evidence=decode_pair_evidence)
+# The frame's times are in seconds; shown here in milliseconds, to 0.01 ms (the exercises read it).
+times_ms = {f"{c[:-2]} (ms)": 1000 * reqs[c] for c in ("queue_s", "ttft_s", "tpot_s", "e2e_s")}
+reqs[["request_id", "prompt_tokens", "output_tokens"]].assign(**times_ms).round(2)
 
 # %%
 snap = eng.snapshot()
-# The counters and the frames are two views of the same events.
-assert snap["vllm:generation_tokens"] == reqs.output_tokens.sum(), "generation token counter disagrees"
-assert snap["vllm:iteration_tokens_total_sum"] == steps.tokens.sum(), "per-step token totals disagree"
+# The counters and the frames are two views of the same events. The counters count from the
+# engine's start, the warm-up included; the frames above hold the tour's part.
+since = {k: snap[k] - snap0.get(k, 0.0) for k in ("vllm:prompt_tokens", "vllm:generation_tokens",
+                                                  "vllm:iteration_tokens_total_sum", "vllm:num_preemptions")}
+assert since["vllm:generation_tokens"] == reqs.output_tokens.sum(), "generation token counter disagrees"
+assert since["vllm:iteration_tokens_total_sum"] == steps.tokens.sum(), "per-step token totals disagree"
 assert snap["vllm:num_requests_running"] == 0 and snap["vllm:kv_cache_usage_perc"] == 0.0
-print({k: snap[k] for k in ("vllm:prompt_tokens", "vllm:generation_tokens", "vllm:num_preemptions")})
+print("since the warm-up:", {k: since[k] for k in ("vllm:prompt_tokens", "vllm:generation_tokens",
+                                                    "vllm:num_preemptions")})
 
 # %% [markdown]
 # ## 6. Exercises: read the engine's records
@@ -219,7 +245,7 @@ print({k: snap[k] for k in ("vllm:prompt_tokens", "vllm:generation_tokens", "vll
 # [`engine/request.py`](../minserve/engine/request.py) (the timeline each request keeps).
 #
 # **Exercise 1.** What was the TTFT of the request `"tour-stream"` (section 4), in milliseconds?
-# Read it from `reqs`.
+# Read it from the table above, or from `reqs` (the same numbers in seconds).
 
 # %%
 ttft_ms = None  # your answer, in ms
@@ -282,6 +308,20 @@ q3 = ex.q3_steps(P, N, B, n_steps)
 q3.check(steps_predicted)
 # q3.hint()
 # q3.solution()
+
+# %% [markdown]
+# Each prefill step above computed up to B prompt tokens. **What to look for:** per token, prefill
+# should be many times faster than decode, which spends a whole pass over the weights on one token.
+
+# %%
+decode_only = steps[(steps.num_prefill_tokens == 0) & (steps.num_decode_tokens == 1)]
+prefill_steps = demo_steps[demo_steps.num_prefill_tokens > 0]
+prefill_tok_per_s = prefill_steps.num_prefill_tokens.sum() / prefill_steps.step_time_s.sum()
+decode_step_s = decode_only.step_time_s.median()
+prefill_shown, prefill_evidence = ex.prefill_speed_lesson(prefill_tok_per_s, decode_step_s)
+prefill_lesson = lab.lesson("00-prefill-per-token", "per token, prefill is many times faster than "
+                            "decode: a prefill step computes a whole chunk of the prompt in one "
+                            "pass over the weights", shown=prefill_shown, evidence=prefill_evidence)
 
 # %% [markdown]
 # ## 8. Many requests at once: the lab toolkit
@@ -360,14 +400,12 @@ print("All checks passed.")
 # belong to this machine). The next lab reads them back to compare.
 
 # %%
-decode_only = steps[(steps.num_prefill_tokens == 0) & (steps.num_decode_tokens == 1)]
-prefill_steps = demo_steps[demo_steps.num_prefill_tokens > 0]
 baseline = {
     "device": str(eng.config.device),
     "tour_stream_ttft_ms": round(1000 * streamed.metrics.ttft_s, 2),
     "tour_stream_tpot_ms": round(1000 * streamed.metrics.tpot_s, 2),
-    "decode_step_batch1_median_ms": round(1000 * decode_only.step_time_s.median(), 2),
-    "prefill_tok_per_s": round(prefill_steps.num_prefill_tokens.sum() / prefill_steps.step_time_s.sum(), 1),
+    "decode_step_batch1_median_ms": round(1000 * decode_step_s, 2),
+    "prefill_tok_per_s": round(prefill_tok_per_s, 1),
     "steps_demo": {"prompt_tokens": int(P), "output_tokens": int(N), "budget": int(B), "steps": int(n_steps)},
     "eight_at_once": tour_run.key_numbers(),
 }
@@ -396,7 +434,7 @@ print(f"Prefill ran at about {baseline['prefill_tok_per_s']:.0f} prompt tokens/s
 k = tour_run.key_numbers()
 print(f"Eight requests at once: median TTFT {k['median_ttft_ms']:.0f} ms, "
       f"median TPOT {k['median_tpot_ms']:.1f} ms, {k['output_tok_per_s']:.0f} output tokens/s.")
-print(f"This notebook ran in {time.perf_counter() - t_lab:.0f} s (preset {preset.name!r}, {preset.device}).")
+tour_summary = lab.summary("00")
 
 # %% [markdown]
 # ## Stretch goals

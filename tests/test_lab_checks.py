@@ -165,23 +165,7 @@ def test_function_check_reference_under_ci(monkeypatch):
     assert steps_check().evaluate(None).ok
 
 
-# ---- the labs' own exercises ------------------------------------------------------------------
-
-def test_lab00_steps_exercise_teaches_the_off_by_one():
-    from course.lab00 import q3_steps
-    q = q3_steps(600, 8, 512, measured_steps=9)
-    assert q.evaluate(9).ok and q.reference() == 9
-    assert "also samples the first output token" in q.evaluate(10).message
-    assert "one step per prompt token" in q.evaluate(607).message
-    assert "chunked" in q.evaluate(8).message
-
-
-def test_lab01_queue_steps_exercise_rounds_down():
-    from course.lab01 import q5_steps_queued
-    assert q5_steps_queued(1536, 512, 3).reference() == 3
-    q = q5_steps_queued(1500, 512, 2)
-    assert q.evaluate(2).ok and q.reference() == 2
-    assert "rounds up" in q.evaluate(3).message
+# (The labs' own exercises are tested beside each lab: tests/test_lab_exercises_*.py.)
 
 
 # ---- named mistakes fire before the tolerance -------------------------------------------------
