@@ -28,30 +28,36 @@
 # **Goals.** By the end you will have measured, on this machine:
 #
 # 1. static and continuous batching on the same mixed workload, with the same number of places in
-#    the batch: how many engine steps each needed, and how many places static batching left empty;
+#    the batch: how many engine steps each needed, how many places static batching left empty, and
+#    how soon each gave requests their first token;
 # 2. three runs of rising load, as in the classic experiment: **A** one request at a time, **B**
 #    moderate arrivals, **C** rising until requests queue;
 # 3. the **knee** of the load curve: the offered load past which extra load becomes waiting time
 #    instead of throughput, and which part of a request's life absorbs it.
 #
-# **Run time:** about 1 minute on a 2-core laptop CPU in the `quick` preset (the default), longer
-# while other programs share the CPU. The `full` preset (`MINSERVE_LAB_PRESET=full`) uses 4 times
-# the requests and the seats, and longer prompts and answers, sized for a GPU; its run time there
-# has not been measured yet.
+# Each headline result is checked on this run's own numbers: a line starting "Lesson shown" or
+# "Lesson NOT shown in this run" follows the cell that measures it, and the last cell sums them up.
+#
+# **Run time** (`quick` preset, the default, on a 2-core laptop CPU): about 1.5 min on a quiet
+# machine, up to 2 min on a busy one (measured: 1.3 and 1.5 min nearly quiet, 2.0 min with another
+# program holding one of the two cores). The `full` preset (`MINSERVE_LAB_PRESET=full`) uses 4
+# times the requests and the seats, and longer prompts and answers, sized for a GPU; its run time
+# there has not been measured yet.
 #
 # **Prerequisites:** [Lab 01](01_prefill_vs_decode.ipynb) (prefill and decode, and how the cost of a
 # decode step grows with the number of requests in it).
 #
 # **Source files:** [`engine/scheduler.py`](../minserve/engine/scheduler.py) (continuous batching:
 # who runs in each step, and who waits), [`lab/capacity.py`](../minserve/lab/capacity.py) (the
-# static-batching gate used for comparison, the mixed workload, the load table),
-# [`bench/arrivals.py`](../minserve/bench/arrivals.py) (when each request arrives),
-# [`lab/workload.py`](../minserve/lab/workload.py) (how a workload is run and recorded).
+# static-batching gate used for comparison, the mixed workload, the achieved throughput and the
+# load table), [`bench/arrivals.py`](../minserve/bench/arrivals.py) (when each request arrives),
+# [`lab/workload.py`](../minserve/lab/workload.py) (how a workload is run and recorded),
+# [`lab/hygiene.py`](../minserve/lab/hygiene.py) (warm-up and calibration), and this lab's
+# exercises and rules in [`course/lab02.py`](course/lab02.py).
 
 # %%
 # Set-up check (the short form of `minserve doctor`): what this notebook runs on.
 import math
-import time
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -59,10 +65,10 @@ import pandas as pd
 
 from minserve import lab
 from course import lab02 as ex
+from minserve.lab.capacity import achieved_rate
 from minserve.workshop.doctor import format_checks, run_checks
 
-t_lab = time.perf_counter()
-P = lab.setup()
+P = lab.setup()  # also starts the clock and the load probe that lab.summary reports at the end
 print(format_checks(run_checks(short=True), short=True))
 
 # %% [markdown]
@@ -73,10 +79,20 @@ print(format_checks(run_checks(short=True), short=True))
 # within seconds on a laptop CPU. A GPU server has hundreds, and reaches the same situation at a
 # much higher load. Everything else is the preset's engine; prefix caching is off because the runs
 # below send the same prompts again, and each run must pay for its own prefills.
+#
+# A fresh engine is slow the first time it meets a shape (a prompt length, a batch size), so the
+# engine is warmed up on the shapes this lab measures before anything is timed: a lone prompt, the
+# prompts of a whole static batch prefilled in one step, and decode steps of every batch size from
+# one request to `SEATS`.
 
 # %%
 SEATS = P.pick(quick=4, full=16)
-llm = lab.engine_for(P, max_num_seqs=SEATS, enable_prefix_caching=False)
+N = P.pick(quick=16, full=64)                 # requests of the mixed workload
+LONGEST_PROMPT = P.pick(quick=32, full=128)
+LONGEST_ANSWER = P.pick(quick=32, full=256)
+llm = lab.engine_for(P, max_num_seqs=SEATS, enable_prefix_caching=False,
+                     warm_prompts=[LONGEST_PROMPT, SEATS * LONGEST_PROMPT],
+                     warm_batches=range(1, SEATS + 1))
 tok = llm.get_tokenizer()
 cfg = llm.llm_engine.config
 print(P.describe())
@@ -96,9 +112,6 @@ lab01 = lab.load_baseline("01")
 # group keeps the engine until its longest answer is done.
 
 # %%
-N = P.pick(quick=16, full=64)
-LONGEST_PROMPT = P.pick(quick=32, full=128)
-LONGEST_ANSWER = P.pick(quick=32, full=256)
 reqs = lab.mixed_requests(tok, N, LONGEST_PROMPT, LONGEST_ANSWER, seed=0)
 outs = [r.expected_output_len for r in reqs]
 prompts = [r.prompt_len for r in reqs]
@@ -151,35 +164,20 @@ plt.show()
 
 # %%
 s_use, c_use = lab.seat_use(static, SEATS), lab.seat_use(continuous, SEATS)
+fewer_empty = c_use["empty_share"] < s_use["empty_share"]
 fig, ax = plt.subplots(figsize=(9, 3.2))
 for run, colour in ((static, "tab:red"), (continuous, "tab:green")):
     t, busy = lab.running_over_time(run)
     ax.step(t, busy, where="post", color=colour, label=run.name)
 ax.axhline(SEATS, color="grey", ls=":", lw=1, label=f"seats ({SEATS})")
 ax.set(xlabel="time since the run started (s)", ylabel="requests computed in the step",
-       ylim=(0, SEATS + 0.6), title="Static batching leaves seats empty; continuous refills them")
+       ylim=(0, SEATS + 0.6),
+       title="Static batching leaves seats empty; continuous refills them" if fewer_empty
+       else "Which run leaves seats empty?")
 ax.legend(loc="lower left")
 plt.show()
 
-step_ms = {run.name: 1000 * run.steps.step_time_s.mean() for run in (static, continuous)}
-for run, use in ((static, s_use), (continuous, c_use)):
-    ttft = run.requests.ttft_s
-    print(f"{run.name}: {use['steps']} steps, {run.duration_s:.1f} s, "
-          f"{run.summary['output_throughput']:.0f} output tokens/s; TTFT mean "
-          f"{1000 * ttft.mean():.0f} ms, p90 {1000 * ttft.quantile(0.9):.0f} ms.")
-print(f"Continuous batching needed {c_use['steps'] / s_use['steps']:.0%} of the static run's steps "
-      f"and {continuous.duration_s / static.duration_s:.0%} of its time: a step averaged "
-      f"{step_ms['continuous batching']:.0f} ms with full seats against "
-      f"{step_ms['static batching']:.0f} ms in the static run, where steps often carried fewer "
-      "requests.")
-
 # %% [markdown]
-# The step counts are exact: they would be the same on any machine. How much of the saving shows
-# up as time depends on how much more a step with more requests costs on this hardware (lab 01
-# measured it; the step times printed above show it for this run). On a GPU, where a decode step
-# costs about the same for one request as for dozens, time follows the step count closely; on a
-# busy laptop CPU much less so.
-#
 # **Exercise 1.** How many engine steps did the static run need? Work it out from the output lengths
 # `outs` (in arrival order, batches of `SEATS`) and the rule from lab 00: an answer of *n* tokens
 # takes *n* steps when its prompt fits in one step. The check counts the steps in the run's records.
@@ -209,6 +207,47 @@ q2.check(empty_share)
 # q2.solution()
 
 # %% [markdown]
+# ### What the two runs did with their steps
+#
+# The step counts are exact: they would be the same on any machine, busy or not.
+
+# %%
+step_ms = {run.name: 1000 * run.steps.step_time_s.mean() for run in (static, continuous)}
+per_step = {run.name: float(run.steps.batch.mean()) for run in (static, continuous)}
+for run, use in ((static, s_use), (continuous, c_use)):
+    print(f"{run.name}: {use['steps']} steps of {per_step[run.name]:.1f} requests on average, "
+          f"{step_ms[run.name]:.0f} ms per step, {run.duration_s:.2f} s in all, "
+          f"{use['empty_share']:.0%} of its seat-steps empty.")
+steps_lesson = lab.lesson(
+    "02-fewer-steps", "continuous batching did the same work in fewer engine steps than static "
+    "batching, and left fewer seats empty",
+    shown=c_use["steps"] < s_use["steps"] and fewer_empty,
+    evidence=f"{c_use['steps']} steps against {s_use['steps']} ({c_use['steps'] / s_use['steps']:.0%}), "
+             f"{c_use['empty_share']:.0%} of the seat-steps empty against {s_use['empty_share']:.0%}")
+
+# %% [markdown]
+# How much of the saving in steps shows up as *time* depends on how much more a step with more
+# requests costs on this hardware (lab 01 measured it; the step times printed above show it for
+# these two runs). On a GPU, where a decode step costs about the same for one request as for
+# dozens, time follows the step count closely; on a laptop CPU much less so.
+#
+# What a user notices first is the wait for the first token. Under static batching a request waits
+# for every batch ahead of it to finish its *longest* answer; under continuous batching it waits
+# only for the first seat to free up. One pair of runs is one moment of a shared machine, so two
+# more pairs are run below, the two sides alternating, and the lesson is judged on the median.
+
+# %%
+with lab.LoadProbe() as pairs_probe:
+    pairs = [(static, continuous)] + ex.alternate(llm, reqs, SEATS, repeats=2)
+pairs_table = ex.batching_table(pairs)
+display(pairs_table.round(2))
+sooner, sooner_why = ex.sooner_evidence(pairs_table)
+sooner_lesson = lab.lesson(
+    "02-sooner", "continuous batching gave the same requests their first token sooner than static "
+    "batching", shown=sooner, evidence=sooner_why,
+    load=ex.busiest([run for pair in pairs for run in pair] + [pairs_probe]))
+
+# %% [markdown]
 # ## 4. Raising the load: runs A, B and C
 #
 # So far every request arrived at once. A service sees requests arrive over time, and the question
@@ -221,106 +260,145 @@ q2.check(empty_share)
 # | B | requests arriving at a moderate, steady rate | whether throughput improves with sharing, and what sharing costs each request |
 # | C | the same arrivals at rising rates, until requests queue | where extra load stops producing throughput and turns into waiting |
 #
-# The rates of B and C are set from measurements. The continuous run above had every request sent
-# at once, so it always had work waiting: its throughput is about the most this engine can do with
-# this workload (its **capacity**). B offers a rate between what A manages one at a time and that
-# capacity (their geometric mean): more than a one-at-a-time server could keep up with, less than
-# the engine's limit. Arrivals come at fixed intervals (`burstiness=inf`), so that two runs differ
-# only in their rate.
+# These runs send the workload of section 2 twice over (the same `N` requests, then the same
+# again): a run must last long enough, compared with one request, to show a steady state.
+#
+# **Throughput, measured while requests arrive.** A run of requests offered at a rate ends with a
+# *drain*: after the last arrival the engine only finishes what it already has, its seats emptying
+# one by one. "Finished requests / run time", the number benchmarks usually print, counts that
+# drain, so even an engine that keeps up with every request seems to fall short of the load offered.
+# This lab's **achieved** throughput is the rate at which requests got a seat while requests kept
+# arriving ([`achieved_rate`](../minserve/lab/capacity.py)). In a steady state that *is* the
+# throughput, since every request let in is a request finished later: while the engine keeps up,
+# each request gets a seat as it arrives; once the seats are full, only when another one finishes.
+#
+# **Capacity.** With every request sent at once, work always waits for a seat, so the achieved
+# throughput of such a run is about the most this engine can do with this workload: its
+# **capacity**. Everything below is scaled from it, and a laptop CPU shared with other programs
+# does not run at the same speed twice, so it is measured several times (`lab.calibrate`): the first
+# run is dropped, and the lab scales from the median of the next ones and prints how far apart they
+# were.
+
+# %%
+load_reqs = lab.make_requests(tok, prompts * 2, outs * 2, seed=0,
+                              labels=[f"r{i:02d} ({o} out)" for i, o in enumerate(outs * 2)])
+
+
+def seconds_per_request():
+    """One all-at-once run: the time per request at full seats (1 / achieved throughput)."""
+    run = lab.run_workload(llm, load_reqs, live=False, name="capacity: every request at once")
+    return 1 / achieved_rate(run)
+
+
+cal = lab.calibrate(seconds_per_request, name="time per request, every seat busy", repeats=3,
+                    max_runs=6, tolerance=0.2)
+CAPACITY = 1 / cal.median   # requests per second with work always waiting
+print(f"Capacity: {CAPACITY:.2f} requests/s (one request finished every {1000 * cal.median:.0f} ms "
+      f"with all {SEATS} seats busy).")
+
+# %% [markdown]
+# B offers a rate between what A manages one at a time and the capacity (their geometric mean):
+# more than a one-at-a-time server could keep up with, less than the engine's limit. Arrivals come
+# at fixed intervals (`burstiness=inf`), so that two runs differ only in their rate.
 #
 # **What to look for:** A's requests never wait and never share a step. B's requests overlap and
 # share steps: compare what that costs each user (TPOT, their streaming speed) with what it gains
 # the engine (requests and tokens per second).
 
 # %%
-A = lab.run_workload(llm, reqs, max_concurrency=1, name="A: one request at a time")
+A = lab.run_workload(llm, load_reqs, max_concurrency=1, name="A: one request at a time")
 
 # %%
-CAPACITY = continuous.summary["request_throughput"]  # req/s with work always waiting
-rate_A = A.summary["request_throughput"]               # req/s one at a time
+rate_A = achieved_rate(A)                              # req/s one at a time
 rate_B = round(math.sqrt(rate_A * CAPACITY), 2)
-B = lab.run_workload(llm, reqs, request_rate=rate_B, burstiness=math.inf,
+B = lab.run_workload(llm, load_reqs, request_rate=rate_B, burstiness=math.inf,
                      name=f"B: {rate_B} requests/s at fixed intervals")
 
 
 # %%
 def row(run):
     k = run.key_numbers()
-    return {"requests/s": run.summary["request_throughput"], "output tokens/s": k["output_tok_per_s"],
+    return {"requests/s": achieved_rate(run), "output tokens/s": k["output_tok_per_s"],
             "median TTFT (ms)": k["median_ttft_ms"], "median TPOT (ms)": k["median_tpot_ms"],
             "p90 E2E (ms)": k["p90_e2e_ms"]}
+
 
 ab = pd.DataFrame({"A: one at a time": row(A), "B: moderate arrivals": row(B)}).T
 display(ab.round(1))
 a_rate, b_rate = ab["requests/s"]
+tpot_a, tpot_b = ab["median TPOT (ms)"]
 print(f"Capacity with every request sent at once: {CAPACITY:.2f} requests/s. One at a time (A), "
-      f"the engine served {a_rate:.2f} requests/s; B offered {rate_B:.2f} and served {b_rate:.2f} "
-      f"({b_rate / a_rate:.1f}x A's rate), while the median TPOT went from "
-      f"{ab['median TPOT (ms)'].iloc[0]:.0f} to {ab['median TPOT (ms)'].iloc[1]:.0f} ms.")
+      f"the engine served {a_rate:.2f} requests/s; B offered {rate_B:.2f} and achieved {b_rate:.2f} "
+      f"({b_rate / a_rate:.1f}x A's rate), while the median TPOT went from {tpot_a:.0f} to "
+      f"{tpot_b:.0f} ms ({tpot_b / tpot_a:.1f}x).")
 
 # %% [markdown]
 # ### Run C: rising until requests queue
 #
-# Now the same arrivals, faster and faster: from B's rate to two and a half times the capacity
-# measured above, each rate about the same factor above the last (B is the first point). For each
-# rate, the **achieved** throughput (requests finished per second over the whole run) is set against
-# the **offered** one, and the time requests spent in the queue (arrival to admission) against the
+# Now the same arrivals, faster and faster: B's rate, then loads from below the capacity measured
+# above to more than twice it. For each load, the **achieved** throughput is set against the
+# **offered** one, and the time requests spent in the queue (arrival to admission) against the
 # offered load.
 #
 # **What to look for:** while the engine keeps up, achieved throughput equals the offered load (the
 # points sit on the diagonal) and nobody queues. Past some load, the points leave the diagonal and
-# queue time shoots up: the seats are full, and extra requests can only wait. (This machine may be
-# shared: a point far off the trend of its neighbours was usually slowed down by other programs;
-# rerun the cell to see.)
+# queue time shoots up: the seats are full, and extra requests can only wait.
+#
+# The speed of a shared machine moves, between the calibration and the sweep and within it. So the
+# cell checks its own results ([`settle_sweep`](course/lab02.py)): a load whose result its
+# neighbours contradict (the engine fell short of it but kept up with a heavier one) is run again,
+# and if the lightest load already fell short, or the heaviest did not, a lighter or a heavier load
+# is added, so that the sweep brackets the knee. It prints what it did.
 
 # %%
-POINTS = P.pick(quick=4, full=6)  # rates after B's
-top = 2.5 * CAPACITY
-rates = [round(rate_B * (top / rate_B) ** (k / POINTS), 2) for k in range(1, POINTS + 1)]
+rates = ex.sweep_rates(rate_B, CAPACITY)
 
 
 def run_at(rate):
-    return lab.run_workload(llm, reqs, request_rate=rate, burstiness=math.inf, live=False,
+    return lab.run_workload(llm, load_reqs, request_rate=rate, burstiness=math.inf, live=False,
                             name=f"C: {rate} requests/s")
 
 
-sweep = {rate_B: B, **lab.run_sweep(rates, run_at, title="C: rising load")}
+with lab.LoadProbe() as sweep_probe:
+    sweep = {rate_B: B, **lab.run_sweep(rates, run_at, title="C: rising load")}
+    sweep, sweep_notes = ex.settle_sweep(sweep, run_at)
+for note in sweep_notes:
+    print(f"Note: {note}.")
 table = lab.load_table(sweep)
-# This machine is shared, and its speed moves: if the engine kept up with every load this time
-# (or fell short only at the heaviest), go higher, at most twice, so that the sweep always reaches
-# past the knee (the rule of Exercise 3).
-for _ in range(2):
-    if ex.knee_rule(table)[1] < max(sweep):  # NaN (no knee yet) compares False
-        break
-    extra = round(1.6 * max(sweep), 2)
-    sweep[extra] = run_at(extra)
-    table = lab.load_table(sweep)
 table.round(2)
 
 # %%
+knee_shown, knee_why = ex.knee_evidence(table)
 offered = table.index.to_numpy(float)
 fig, ax = plt.subplots(figsize=(6.5, 4))
 ax.plot(offered, table["achieved req/s"], "o-", color="tab:green", label="achieved")
 ax.plot([0, offered.max()], [0, offered.max()], ls=":", color="grey", label="achieved = offered")
 ax.plot([0, offered.max()], [0, 0.9 * offered.max()], ls="--", color="black", lw=1,
         label="90 % of offered")
-ax.axhline(CAPACITY, color="tab:red", lw=1, ls="--", label="all sent at once (capacity estimate)")
+ax.axhline(CAPACITY, color="tab:red", lw=1, ls="--", label="capacity (all sent at once)")
 ax.set(xlabel="offered load (requests/s)", ylabel="achieved throughput (requests/s)",
-       xlim=(0, None), ylim=(0, None), title="Throughput follows the offered load, then stops")
+       xlim=(0, None), ylim=(0, None),
+       title="Throughput follows the offered load, then levels off" if knee_shown
+       else "Does throughput follow the offered load, and where does it stop?")
 ax.legend(loc="upper left")
 plt.show()
-best = table["achieved req/s"].max()
-print(f"Achieved throughput levelled off at {best:.2f} requests/s; the all-at-once run gave "
-      f"{CAPACITY:.2f}." + (" That estimate runs a little low: its last seconds drain the queue "
-                            "with seats emptying one by one." if best > CAPACITY else ""))
+light_load = float(offered.min())
+whole = float(table.loc[light_load, "whole-run req/s"])
+print(f"At the lightest load, {light_load:.2f} requests/s, the median request waited "
+      f"{table.loc[light_load, 'median queue (ms)']:.1f} ms for a seat and the engine achieved "
+      f"{table.loc[light_load, 'achieved req/s']:.2f} requests/s. Counted as finished requests over the "
+      f"whole run, drain included, the same run reads {whole:.2f} requests/s "
+      f"({whole / light_load:.0%} of the load offered).")
 
 # %%
+queue_grew = table["median queue (ms)"].iloc[-1] > 10 * max(1.0, table["median queue (ms)"].iloc[0])
 fig, ax = plt.subplots(figsize=(6.5, 4))
 ax.plot(offered, table["p90 queue (ms)"], "o-", color="tab:red", label="p90 queue time")
 ax.plot(offered, table["median queue (ms)"], "o-", color="tab:orange", label="median queue time")
 ax.plot(offered, table["median TTFT (ms)"], "x--", color="tab:blue", label="median TTFT")
 ax.set(xlabel="offered load (requests/s)", ylabel="ms", xlim=(0, None),
-       title="Past the knee, extra load turns into waiting")
+       title="With more load, requests wait longer for a seat" if queue_grew
+       else "Do requests wait longer for a seat as the load grows?")
 ax.legend(loc="upper left")
 plt.show()
 
@@ -328,31 +406,42 @@ plt.show()
 # **Exercise 3.** Name the knee of this run. The rule we use: *the knee is the lowest offered load
 # of which the engine achieved less than 90 %* (the first point under the dashed line of the
 # throughput plot). Up to there, extra load came out as extra throughput; from there on, part of it
-# stays behind in the queue, as the queue-time plot shows. Read it off the throughput plot, in
-# requests per second (the x axis).
+# stays behind in the queue (achieved falls behind offered exactly when the queue builds up). Read
+# it off the throughput plot, in requests per second: an *offered* load, on the x axis.
 
 # %%
 knee = None  # your answer: an offered load in requests/s
 
 # %%
-q3 = ex.q3_knee(table)
+q3 = ex.q3_knee(table, CAPACITY)
 q3.check(knee)
 # q3.hint()
 # q3.solution()
 prev, knee_rate = ex.knee_rule(table)
-print(f"By the rule, this run's knee is at {knee_rate:.2f} requests/s "
-      f"({knee_rate / CAPACITY:.1f}x the capacity measured with every request sent at once).")
+if math.isnan(knee_rate):
+    print("By the rule, this sweep has no knee: the engine kept up with every load offered.")
+else:
+    print(f"By the rule, this run's knee is at {knee_rate:.2f} requests/s "
+          f"({knee_rate / CAPACITY:.2f}x the calibrated capacity), after {prev:.2f} requests/s, "
+          "the last load the engine kept up with.")
+
+# %%
+knee_lesson = lab.lesson(
+    "02-knee", "achieved throughput followed the offered load up to the knee and levelled off past it",
+    shown=knee_shown, evidence=knee_why, load=ex.busiest(list(sweep.values()) + [sweep_probe]),
+    calibration=cal, causes=ex.speed_causes(table, CAPACITY) + sweep_notes)
 
 # %% [markdown]
 # **Exercise 4.** A request's E2E latency has three parts: `"queue"` (arrival to admission),
 # `"prefill"` (admission to its first token) and `"decode"` (first token to last). From the lightest
-# load (B) to the heaviest, which part's **share** of the E2E grew? (Shares, not seconds: on a shared
+# load to the heaviest, which part's **share** of the E2E grew? (Shares, not seconds: on a shared
 # machine a whole run can be slowed down by other programs, which stretches every part alike.)
 
 # %%
 light = sweep[min(sweep)].requests
 heavy = sweep[max(sweep)].requests
-display(ex.latency_shares(light, heavy).round(3))
+shares = ex.latency_shares(light, heavy)
+display(shares.round(3))
 where = None  # your answer: "queue", "prefill" or "decode"
 
 # %%
@@ -360,21 +449,27 @@ q4 = ex.q4_where_it_goes(light, heavy, SEATS)
 q4.check(where)
 # q4.hint()
 # q4.solution()
+queue_shown, queue_why = ex.queue_evidence(shares)
+queue_lesson = lab.lesson(
+    "02-queue", "past the knee, the extra latency was waiting for a seat: the queue's share of a "
+    "request's life grew the most", shown=queue_shown, evidence=queue_why,
+    load=ex.busiest([sweep[min(sweep)], sweep[max(sweep)]]))
 
 # %% [markdown]
 # ## 5. Explore
 #
 # The panel runs `lab.run_mixed(...)`: the same mixed workload, built from the sliders (the prompt
 # and output sliders set the *longest* prompt and answer of the mix), on an engine with the seats and
-# KV budget you choose. Things to try: more seats (`max_num_seqs`), and then the request rate at
-# which queueing starts; or a longer longest answer, which makes static batching waste more. For
-# static batching, create the panel again with `batching="static"` added to `engine_args`.
-# In CI no button is pressed, so the cell after it calls the function directly.
+# KV budget you choose; the engine sliders start at this notebook's engine's settings. Things to
+# try: more seats (`max_num_seqs`), and then the request rate at which queueing starts; or a longer
+# longest answer, which makes static batching waste more. For static batching, create the panel
+# again with `batching="static"` added to `engine_args`. In CI no button is pressed, so the cell
+# after it calls the function directly.
 
 # %%
-panel = lab.control_panel(run=lab.run_mixed, preset=P, engine_args=dict(enable_prefix_caching=False),
-                          num_requests=N, prompt_tokens=LONGEST_PROMPT, output_tokens=LONGEST_ANSWER,
-                          max_num_seqs=SEATS)
+panel = lab.control_panel(run=lab.run_mixed, preset=P, engine=llm,
+                          engine_args=dict(enable_prefix_caching=False),
+                          num_requests=N, prompt_tokens=LONGEST_PROMPT, output_tokens=LONGEST_ANSWER)
 panel
 
 # %%
@@ -396,10 +491,11 @@ baseline = {
     "continuous": {"steps": c_use["steps"], "empty_seat_share": round(c_use["empty_share"], 3),
                    **continuous.key_numbers()},
     "capacity_req_per_s": round(CAPACITY, 3),
+    "capacity_calibration": cal.as_dict(),
     "run_A": row(A),
     "run_B": row(B),
     "sweep": {f"{rate:g}": {k: round(float(v), 2) for k, v in r.items()} for rate, r in table.iterrows()},
-    "knee_req_per_s": knee_rate,
+    "knee_req_per_s": None if math.isnan(knee_rate) else knee_rate,
 }
 baseline_path = lab.record_baseline("02", baseline)
 if lab01:
@@ -408,21 +504,25 @@ if lab01:
         print(f"\nLab 01 decoded {b4:.0f} tokens/s with {SEATS} requests in every step; continuous "
               f"batching sustained {continuous.summary['output_throughput']:.0f} output tokens/s here, "
               "prefills and the last half-empty steps included.")
-print(f"This notebook ran in {time.perf_counter() - t_lab:.0f} s (preset {P.name!r}, {P.device}).")
 
 # %% [markdown]
 # ## Summary
 #
+# What to take from this lab (whether this run showed each point is in its "Lesson" lines above,
+# and in the last cell):
+#
 # - **Static batching** keeps a batch together until its longest member is done. With answers of
-#   mixed length, most seats sit empty for much of each batch, and requests in later batches wait for
+#   mixed length, many seats sit empty for much of each batch, and requests in later batches wait for
 #   all of it.
 # - **Continuous batching** rebuilds the batch at every step: a finished request's seat goes to a
 #   waiting one at once. Same work, fewer steps; on hardware where a step costs about the same
 #   whatever the batch (a GPU), that is also proportionally less time.
 # - **Load.** One request at a time (A) leaves the engine's batching unused; moderate arrivals (B)
 #   share it, trading some speed per request for throughput; past the **knee** (C) the seats are
-#   full, throughput stops growing, and extra load becomes queue time: latency keeps growing with
-#   the load while throughput does not.
+#   full, throughput stops growing, and extra load becomes queue time.
+# - **Measuring throughput.** Finished requests over the whole run include the drain at its end;
+#   measure throughput while requests still arrive, and scale loads from a repeated calibration,
+#   not from one run.
 # - The extra latency past the knee is mostly *waiting*, not slower computing: look at queue time,
 #   not only at TTFT.
 #
@@ -440,3 +540,9 @@ print(f"This notebook ran in {time.perf_counter() - t_lab:.0f} s (preset {P.name
 #   with continuous batching's?
 # - Read `Scheduler.schedule` in [`engine/scheduler.py`](../minserve/engine/scheduler.py): where does
 #   a finished request's seat become available to a waiting one?
+
+# %% [markdown]
+# ## This run
+
+# %%
+run_summary = lab.summary("02")   # run time, the machine's load, the lessons this run showed

@@ -32,13 +32,20 @@
 # 1. computed the KV bytes per token from the model's shape, and checked it against what the
 #    engine actually allocated;
 # 2. predicted how many KV blocks a workload holds, and how many sequences fit in a budget
-#    (with `minserve.plan`), and compared that plan with what the engine really ran;
+#    (with the serving-budget planner, `minserve.plan`), met the planner's **roofline** estimate of
+#    how fast a step can be, and compared the plan with what the engine really ran;
 # 3. followed workload shape to memory pressure, to scheduling (waiting, preemption), to latency,
 #    and recorded the concurrency where latency starts to give way.
 #
-# **Run time:** under a minute on a 2-core laptop CPU in the `quick` preset (the default). The `full`
-# preset (`MINSERVE_LAB_PRESET=full`) uses 8 times longer prompts and a larger budget, sized for a
-# GPU; its run time there has not been measured yet.
+# The headline results are counted from the engine's records (blocks, preemptions, steps), not
+# timed, so they hold on a busy machine too; each is checked on this run's numbers in a line
+# starting "Lesson shown" or "Lesson NOT shown in this run", and the last cell sums them up.
+#
+# **Run time** (`quick` preset, the default, on a 2-core laptop CPU): about 15 s on a quiet
+# machine, up to 30 s on a busy one (measured: 12 s quiet, 30 s with another program holding one
+# of the two cores), plus loading the model the first time. The `full` preset
+# (`MINSERVE_LAB_PRESET=full`) uses 8 times longer prompts and a larger budget, sized for a GPU;
+# its run time there has not been measured yet.
 #
 # **Prerequisites:** [Lab 01](01_prefill_vs_decode.ipynb) (prefill and decode) and
 # [Lab 02](02_continuous_batching.ipynb) (seats, queueing, the knee).
@@ -47,14 +54,14 @@
 # `plan_kv_cache`: how many blocks a budget buys), [`engine/scheduler.py`](../minserve/engine/scheduler.py)
 # (admission, and preemption when blocks run out), [`engine/model_runner.py`](../minserve/engine/model_runner.py)
 # (where the K and V tensors are allocated), [`plan/planner.py`](../minserve/plan/planner.py) (the
-# serving-budget planner), [`lab/capacity.py`](../minserve/lab/capacity.py) (the tables and step
-# counts used here).
+# serving-budget planner) and [`plan/budget.py`](../minserve/plan/budget.py) (its formulas and the
+# roofline), [`lab/capacity.py`](../minserve/lab/capacity.py) (the tables and step counts used
+# here), and this lab's exercises and rules in [`course/lab03.py`](course/lab03.py).
 
 # %%
 # Set-up check (the short form of `minserve doctor`): what this notebook runs on.
 import dataclasses
 import math
-import time
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -66,8 +73,7 @@ from course import lab03 as ex
 from minserve.plan import plan
 from minserve.workshop.doctor import format_checks, run_checks
 
-t_lab = time.perf_counter()
-P = lab.setup()
+P = lab.setup()  # also starts the clock and the load probe that lab.summary reports at the end
 print(format_checks(run_checks(short=True), short=True))
 
 # %% [markdown]
@@ -80,12 +86,19 @@ print(format_checks(run_checks(short=True), short=True))
 # here is tiny on purpose, so that memory pressure shows up within seconds. Everything else is the
 # preset's engine, except two things: the preset's own KV size (a block count, which would take
 # precedence over a byte budget) is dropped, and prefix caching is off, so that every request
-# computes and stores its own prompt.
+# computes and stores its own prompt. The engine is warmed up on the prompt lengths and batch sizes
+# measured below before anything runs.
 
 # %%
 KV_BUDGET = P.pick(quick="20MiB", full="184MiB")
+SHORT = P.pick(quick=16, full=64)     # prompt tokens in step 2
+LONG = P.pick(quick=56, full=448)     # prompt tokens from step 3 on
+OUT = P.pick(quick=32, full=64)       # output tokens of every request
+C = 4                                 # requests at once, in steps 2 and 3
+sweep_c = P.pick(quick=[1, 2, 4, 5, 6, 8], full=[1, 4, 8, 9, 10, 12, 16])  # steps 4 and 5
 P3 = dataclasses.replace(P, engine_args={k: v for k, v in P.engine_args.items() if k != "num_kv_blocks"})
-llm = lab.engine_for(P3, kv_cache_memory=KV_BUDGET, enable_prefix_caching=False)
+llm = lab.engine_for(P3, kv_cache_memory=KV_BUDGET, enable_prefix_caching=False,
+                     warm_prompts=[SHORT, LONG, C * LONG], warm_batches=sweep_c)
 eng = llm.llm_engine
 tok = llm.get_tokenizer()
 mc = eng.model_config
@@ -133,11 +146,14 @@ check = pd.DataFrame({
           "blocks x block_size x formula", "K and V tensors allocated (runner.kv_caches)",
           f"kv_cache_memory = {KV_BUDGET}"])
 display(check)
-assert alloc["tensor_bytes"] == expected, "the allocation does not match the formula"
-print(f"The tensors hold exactly {alloc['num_blocks']} x {alloc['block_size']} x "
-      f"{alloc['formula_bytes_per_token']:,} = {expected:,} bytes; "
-      f"{parse_bytes(KV_BUDGET) - expected:,} bytes of the budget are left over, "
-      "less than one block.")
+left, per_block = parse_bytes(KV_BUDGET) - expected, alloc["block_size"] * alloc["formula_bytes_per_token"]
+formula_lesson = lab.lesson(
+    "03-kv-formula", "the engine's K and V tensors take exactly what the formula says: blocks x "
+    "block_size x bytes per token, and the budget is cut into whole blocks",
+    shown=alloc["tensor_bytes"] == expected and 0 <= left < per_block,
+    evidence=f"{alloc['num_blocks']} x {alloc['block_size']} x {alloc['formula_bytes_per_token']:,} = "
+             f"{expected:,} bytes by the formula, {alloc['tensor_bytes']:,} bytes allocated; {left:,} "
+             f"bytes of the {KV_BUDGET} budget left over, against {per_block:,} for one more block")
 
 # %% [markdown]
 # ## Step 2. A few short prompts: watch the KV usage
@@ -147,10 +163,6 @@ print(f"The tensors hold exactly {alloc['num_blocks']} x {alloc['block_size']} x
 # new block every `block_size` tokens) and drops to zero when they finish.
 
 # %%
-SHORT = P.pick(quick=16, full=64)
-LONG = P.pick(quick=56, full=448)
-OUT = P.pick(quick=32, full=64)
-C = 4  # requests at once, in steps 2 and 3
 short_run = lab.run_workload(llm, lab.make_requests(tok, SHORT, OUT, num_requests=C, seed=1),
                              name=f"step 2: {C} x ({SHORT} prompt + {OUT} output tokens)")
 
@@ -214,6 +226,49 @@ q3.check(planned_seqs)
 p.frame().loc[["KV per token", "KV budget", "KV blocks", f"max seqs at {CONTEXT:,} tokens"]]
 
 # %% [markdown]
+# ### The planner, and the roofline
+#
+# `plan(...)` ([`plan/planner.py`](../minserve/plan/planner.py), formulas in
+# [`plan/budget.py`](../minserve/plan/budget.py)) answers the questions to settle before any load
+# test: do the weights fit, how many sequences of a given length fit beside them, and how fast can
+# a prefill or a decode step be *at best* on the hardware. The same table is on the command line,
+# for this machine or for a GPU you do not have:
+#
+# ```
+# minserve plan --model smollm2-135m --hardware h100 --precision bf16 --context-len 4096
+# minserve plan --list-hardware
+# ```
+#
+# (`--hardware this`, the default, is this machine: its memory bandwidth and matmul rate measured
+# once and cached.)
+#
+# Its speed estimate is a **roofline**. A step cannot take less time than reading its bytes from
+# memory (bytes / bandwidth), nor less than doing its arithmetic (FLOPs / matmul rate); the
+# estimate is the larger of the two, and the step is called **memory-bound** or **compute-bound**
+# after whichever it is. A decode step reads every weight of the model to produce one token per
+# request: with a single request there is little arithmetic per byte read, so the reading sets the
+# time. A prefill does a whole prompt's arithmetic on the same bytes, so the arithmetic can take
+# over. Adding requests to a decode step adds arithmetic but reads the weights only once, which is
+# why batching pays until the step turns compute-bound. (Lab 06 builds on this.)
+#
+# A roofline is a bound, not a prediction: a real step also pays for Python, for starting its
+# kernels and for threads that do not share the work perfectly, so it takes longer, and on a
+# laptop CPU the gap grows with the batch (lab 01 measured decode steps by batch size).
+
+# %%
+display(p.frame().loc[["hardware", "weights read per step", "prefill (1 prompt)", "decode, batch 1",
+                       f"decode, batch {p.max_num_seqs}"]])
+read_ms = 1000 * p.weight_bytes_per_step / p.bandwidth_bytes_per_s
+print(f"On this machine as measured ({p.bandwidth_bytes_per_s / 1e9:.0f} GB/s, "
+      f"{p.flops_per_s / 1e9:.0f} GFLOP/s in {p.dtype}), reading the weights once takes "
+      f"{read_ms:.1f} ms. A decode step of one request is {p.decode_bound}-bound, at best "
+      f"{1000 * p.decode_step_s:.1f} ms ({p.decode_tok_s:.0f} tokens/s); prefilling one "
+      f"{CONTEXT}-token prompt is {p.prefill_bound}-bound, at best {1000 * p.prefill_s:.1f} ms."
+      + (f" With {p.max_num_seqs} requests in the step, a decode step is {p.decode_bound_full}-bound, "
+         f"at best {1000 * p.decode_step_s_full:.1f} ms for {p.max_num_seqs} tokens."
+         if p.decode_step_s_full else ""))
+
+# %% [markdown]
 # ## Steps 4 and 5. Raise the concurrency, and watch everything together
 #
 # Now the long-prompt requests, sent `c` at a time for a rising `c` (each run is one wave of `c`
@@ -228,9 +283,6 @@ p.frame().loc[["KV per token", "KV budget", "KV blocks", f"max seqs at {CONTEXT:
 # requests and the KV usage together. The live figure shows the heaviest run.
 
 # %%
-sweep_c = P.pick(quick=[1, 2, 4, 5, 6, 8], full=[1, 4, 8, 9, 10, 12, 16])
-
-
 def wave(c):
     if c == C:
         return long_run  # step 3 was this very run
@@ -279,6 +331,19 @@ q4.check(measured_seqs)
 # q4.solution()
 print(f"Planned: {p.max_num_seqs} sequences of {CONTEXT} tokens; measured: "
       f"{ex.measured_capacity(table)} ran at once without waiting or preemption.")
+
+# %%
+measured = ex.measured_capacity(table)
+plan_lesson = lab.lesson(
+    "03-capacity-plan", "the capacity the engine showed matches the plan: as many sequences as "
+    "whole blocks allow ran at once without waiting or preemption",
+    shown=measured == p.max_num_seqs,
+    evidence=f"planned {p.max_num_seqs} sequences of {CONTEXT} tokens ({p.num_kv_blocks} blocks, "
+             f"{p.blocks_per_seq} per sequence), measured {measured}")
+shown, why = ex.pressure_evidence(table, p.max_num_seqs)
+pressure_lesson = lab.lesson(
+    "03-preemption", "past the KV capacity the engine preempts or makes requests wait, and below "
+    "it never does", shown=shown, evidence=why)
 
 # %% [markdown]
 # The heaviest run, request by request: grey is waiting (in the queue before admission, and again
@@ -342,19 +407,28 @@ else:
           f"{int(row['preemptions'])} preemption(s) and at most {int(row['max waiting'])} request(s) "
           f"waiting, at a peak KV usage of {row['peak KV (%)']:.0f} %. Planned capacity: "
           f"{p.max_num_seqs}; measured: {ex.measured_capacity(table)}.")
+above = [c for c in runs if c > p.max_num_seqs]
+gives_way_lesson = lab.lesson(
+    "03-gives-way", "latency gives way at the first concurrency past the planned capacity: from "
+    "there the slowest request is held up for extra steps", shown=bool(above) and gives_way == min(above),
+    evidence=(f"planned capacity {p.max_num_seqs}; the slowest request was first held up by more than "
+              f"10 % of its steps at c = {gives_way}" if gives_way is not None else
+              f"planned capacity {p.max_num_seqs}; no concurrency of the sweep held a request up by "
+              "more than 10 % of its steps"))
 
 # %% [markdown]
 # ## Explore
 #
 # The panel runs `lab.run_experiment(...)`: requests of one prompt and output length, sent at a
 # rate or a concurrency you choose, to an engine with the KV budget (in blocks) and seats you choose.
+# The engine sliders start at this notebook's engine's settings (its `BLOCKS` KV blocks, its seats).
 # Try the same concurrency with a budget of a few blocks more or less than this lab's, or with
 # shorter answers: where do preemptions start? In CI no button is pressed, so the cell after it
 # calls the function directly, on this notebook's engine.
 
 # %%
-panel = lab.control_panel(preset=P3, engine_args=dict(enable_prefix_caching=False), num_requests=6,
-                          prompt_tokens=LONG, output_tokens=OUT, num_kv_blocks=BLOCKS)
+panel = lab.control_panel(preset=P3, engine=llm, engine_args=dict(enable_prefix_caching=False),
+                          num_requests=6, prompt_tokens=LONG, output_tokens=OUT)
 panel
 
 # %%
@@ -383,14 +457,17 @@ baseline = {
 baseline_path = lab.record_baseline("03", baseline)
 if lab02:
     knee02 = lab02.get("knee_req_per_s")
+    limit = ex.what_limited(table.loc[top], SEATS)
     print(f"\nIn lab 02 the engine had {lab02['seats']} seats and plenty of KV cache: queueing "
           f"began when the seats were full" + (f" (knee at {knee02} requests/s)" if knee02 else "")
-          + f". Here it had {SEATS} seats, and the KV cache ran out first: "
-          f"{ex.measured_capacity(table)} sequences of {CONTEXT} tokens at once.")
-print(f"This notebook ran in {time.perf_counter() - t_lab:.0f} s (preset {P.name!r}, {P.device}).")
+          + f". Here it had {SEATS} seats, and at c = {top} what held requests back was: {limit}; "
+          f"{ex.measured_capacity(table)} sequences of {CONTEXT} tokens ran at once untroubled.")
 
 # %% [markdown]
 # ## Summary
+#
+# What to take from this lab (whether this run showed each point is in its "Lesson" lines above,
+# and in the last cell):
 #
 # - **KV bytes per token** = 2 x layers x KV heads x head_dim x bytes per number. The engine's
 #   allocation matches it exactly, in whole blocks: budget // (bytes per token x block size).
@@ -399,6 +476,9 @@ print(f"This notebook ran in {time.perf_counter() - t_lab:.0f} s (preset {P.name
 #   about a few more.
 # - **Planned capacity** counts whole blocks per sequence. Compare it with what the engine really ran
 #   at once (Exercise 4): past that, it had to make requests wait or preempt them.
+# - The planner's **roofline** bounds a step's time by its bytes read and its arithmetic, whichever
+#   takes longer: a decode step of a few requests is memory-bound, so more requests in it cost
+#   little until the arithmetic takes over.
 # - The chain to follow: **workload shape → KV pressure → scheduling (waiting, preemption,
 #   recompute) → latency**. Past the capacity, the slowest requests pay for everyone: they wait, or
 #   lose their cache and compute it again.
@@ -418,3 +498,9 @@ print(f"This notebook ran in {time.perf_counter() - t_lab:.0f} s (preset {P.name
 # - Read `Scheduler._reserve` and `Scheduler._preempt` in
 #   [`engine/scheduler.py`](../minserve/engine/scheduler.py): why is the *newest* request the one
 #   preempted?
+
+# %% [markdown]
+# ## This run
+
+# %%
+run_summary = lab.summary("03")   # run time, the machine's load, the lessons this run showed

@@ -109,28 +109,216 @@ def test_knee_rule_is_the_first_load_the_engine_falls_short_of():
     assert prev == 7.0 and math.isnan(knee)
 
 
-def test_q3_knee_accepts_the_bracket_and_names_the_mistakes(monkeypatch):
-    q = lab02.q3_knee(load_table(KEEPS_UP_TO_3))
-    for ok in (4.5, 4.0, 3.1, 4.7):           # above 3.0, up to 4.5 (+5 % reading slack)
+def test_q3_knee_accepts_the_knee_point_and_names_the_mistakes(monkeypatch):
+    q = lab02.q3_knee(load_table(KEEPS_UP_TO_3), capacity=3.25)
+    for ok in (4.5, 4.4, 4.6):                 # the knee point, read off the axis (4 %)
         v = q.evaluate(ok)
         assert v.ok, (ok, v.message)
-        assert "the knee lies between them" in v.message
-    assert q.evaluate(3.9).ok                  # the plateau, here inside the bracket: consistent
-    v = lab02.q3_knee(load_table([0.98, 1.9, 2.75, 2.8, 2.82])).evaluate(2.82)  # plateau (y axis)
-    assert not v.ok and "x axis" in v.message
+        assert "the knee lies between the two" in v.message
     v = q.evaluate(7.0)
     assert not v.ok and "heaviest load" in v.message
     v = q.evaluate(3.0)
-    assert not v.ok and "last load it kept up with" in v.message
+    assert not v.ok and "last load before the knee" in v.message
+    v = q.evaluate(3.6)                        # the knee point's achieved throughput (y axis)
+    assert not v.ok and "x axis" in v.message
+    v = q.evaluate(3.25)                       # the capacity line
+    assert not v.ok and "red line" in v.message
     v = q.evaluate(1.0)
-    assert not v.ok and "below this run's knee" in v.message and "Hint" in v.message
-    assert not q.evaluate("4.5").ok and "should be an offered load" in q.evaluate("4.5").message
+    assert not v.ok and "too low" in v.message and "Hint" in v.message
+    assert not q.evaluate("4.5").ok and "should be a number" in q.evaluate("4.5").message
     assert_ci_proves(q, monkeypatch)
+
+
+def test_q3_knee_no_longer_accepts_any_value_below_the_knee():
+    # Issue 19: with the lightest load past the knee, the old check accepted anything in
+    # (0, knee]; and between two loads it accepted the whole bracket. Only the knee point is right.
+    first_past = lab02.q3_knee(load_table([0.85, 1.7, 2.0, 2.1, 2.1]))
+    assert lab02.knee_rule(load_table([0.85, 1.7, 2.0, 2.1, 2.1])) == (0.0, 1.0)
+    assert first_past.evaluate(1.0).ok
+    for wrong in (0.3, 0.5, 0.8):
+        assert not first_past.evaluate(wrong).ok, wrong
+    q = lab02.q3_knee(load_table(KEEPS_UP_TO_3))
+    for wrong in (3.3, 3.9, 4.1):              # inside the old bracket (3.0, 4.5]
+        assert not q.evaluate(wrong).ok, wrong
+
+
+def test_q3_knee_names_the_plateau_even_inside_the_bracket():
+    # Issue 19: on a loaded run the plateau height (y axis) lay between the last load kept up with
+    # and the knee, and was accepted as the knee. It is named now.
+    t = load_table([0.98, 1.9, 2.9, 3.5, 3.4])   # kept up to 3.0; knee 4.5; plateau 3.5
+    q = lab02.q3_knee(t)
+    v = q.evaluate(3.5)
+    assert not v.ok and "plateau" in v.message and "x axis" in v.message
+    assert q.evaluate(4.5).ok
+    assert q.indistinct_mistakes() == []
 
 
 def test_q3_knee_without_a_crossing_says_to_go_higher():
     v = lab02.q3_knee(load_table([1.0, 2.0, 3.0, 4.5, 6.9])).evaluate(7.0)
     assert not v.ok and "higher rates" in v.message
+
+
+# ---- lab 02's load sweep, on a simulated engine --------------------------------------------------
+
+def simulated_run(rate, services, seats=SEATS):
+    """A RunResult of ``services`` (seconds each, in arrival order) offered at ``rate`` req/s at
+    fixed intervals to a first-come first-served engine of ``seats`` seats: what the lab's runs
+    record, without the noise, so that the measurement itself can be tested."""
+    n = len(services)
+    arrival = np.arange(1, n + 1) / rate            # bench/arrivals.py: the first one at 1 / rate
+    free = [0.0] * seats
+    admitted, finished = np.zeros(n), np.zeros(n)
+    for i, s in enumerate(services):
+        k = int(np.argmin(free))
+        admitted[i] = max(arrival[i], free[k])
+        finished[i] = free[k] = admitted[i] + s
+    queue = admitted - arrival
+    requests = pd.DataFrame({
+        "success": True, "arrival_s": arrival, "first_scheduled_s": admitted,
+        "first_token_s": admitted + 0.05, "finished_s": finished, "queue_s": queue,
+        "ttft_s": queue + 0.05, "prefill_s": 0.05, "decode_s": np.asarray(services) - 0.05,
+        "tpot_s": 0.02, "e2e_s": finished - arrival})
+    waiting = [int(((arrival <= t) & (admitted > t)).sum()) for t in admitted]
+    state = pd.DataFrame({"t_s": admitted, "num_waiting": waiting, "num_preemptions": 0})
+    duration = float(finished.max())
+    return RunResult(name=f"{rate} req/s", target="engine", requests=requests, state=state,
+                     summary={"request_throughput": n / duration, "output_throughput": math.nan},
+                     duration_s=duration, settings={"max_num_seqs": seats})
+
+
+SERVICES = [0.25, 0.2, 0.15, 0.15, 0.6, 0.9, 0.25, 0.35] * 4   # mixed answers; mean 0.356 s
+CAPACITY = SEATS / np.mean(SERVICES)                            # about 11.2 req/s, seats full
+
+
+def test_achieved_rate_is_the_offered_load_while_the_engine_keeps_up():
+    # Issue 19: N / run time counts the drain after the last arrival, so a run where nobody waited
+    # read below 90 % of the load offered and was called past the knee.
+    run = simulated_run(4.0, SERVICES[:15] + [0.9])    # 16 requests, a long answer last
+    assert run.requests.queue_s.max() == 0
+    assert capacity.achieved_rate(run) == pytest.approx(4.0)
+    assert run.summary["request_throughput"] < 0.9 * 4.0   # the old measure: the drain
+    t = lab.load_table({4.0: run})
+    assert t.loc[4.0, "achieved req/s"] == pytest.approx(4.0)
+    assert t.loc[4.0, "whole-run req/s"] == pytest.approx(run.summary["request_throughput"])
+    assert math.isnan(lab02.knee_rule(t)[1])
+
+
+def test_achieved_rate_is_the_capacity_once_the_seats_are_full():
+    for rate in (2 * CAPACITY, 4 * CAPACITY, math.inf):
+        run = simulated_run(rate if math.isfinite(rate) else 1e9, SERVICES)
+        assert capacity.achieved_rate(run) == pytest.approx(CAPACITY, rel=0.15), rate
+
+
+def test_achieved_rate_does_not_depend_on_which_answer_came_last():
+    # Issue 19: the whole-run measure was not monotone: a lighter load whose last answer happened
+    # to be short read higher than a heavier one whose last answer was long.
+    short_last = simulated_run(4.0, [0.3] * 15 + [0.05])
+    long_last = simulated_run(5.0, [0.3] * 15 + [1.5])
+    assert short_last.summary["request_throughput"] > long_last.summary["request_throughput"]
+    assert capacity.achieved_rate(short_last) == pytest.approx(4.0)
+    assert capacity.achieved_rate(long_last) == pytest.approx(5.0)
+
+
+def test_achieved_rate_falls_back_without_admission_times():
+    run = simulated_run(4.0, SERVICES)
+    run.requests["first_scheduled_s"] = math.nan            # over HTTP: first tokens instead
+    assert capacity.achieved_rate(run) == pytest.approx(4.0)
+    tiny = simulated_run(4.0, SERVICES[:1])
+    assert capacity.achieved_rate(tiny) == tiny.summary["request_throughput"]
+
+
+def simulated_sweep(capacity_estimate, speed=1.0):
+    rate_b = round(0.65 * capacity_estimate, 2)
+    rates = [rate_b] + lab02.sweep_rates(rate_b, capacity_estimate)
+    return {r: simulated_run(r, [s / speed for s in SERVICES]) for r in rates}
+
+
+def test_sweep_rates_are_spread_and_clear_of_the_capacity():
+    rates = lab02.sweep_rates(6.5, 10.0)
+    assert rates == [8.5, 11.5, 15.0, 20.0, 27.0]
+    gaps = np.array(rates[1:]) / np.array(rates[:-1])
+    assert (gaps >= lab02.SWEEP_GAP).all()
+    assert all(abs(r / 10.0 - 1) > 0.14 for r in rates)
+    assert lab02.sweep_rates(7.8, 10.0)[0] == 11.5       # 8.5 would be too close to B's 7.8
+
+
+def test_the_knee_of_a_simulated_sweep_and_its_lesson():
+    t = lab.load_table(simulated_sweep(CAPACITY))
+    prev, knee = lab02.knee_rule(t)
+    assert prev > 0 and knee == pytest.approx(1.15 * CAPACITY, abs=0.01)
+    shown, why = lab02.knee_evidence(t)
+    assert shown and "offered grew" in why
+    q = lab02.q3_knee(t, CAPACITY)
+    assert q.indistinct_mistakes() == []                # every named mistake is apart from the knee
+    assert q.evaluate(knee).ok
+    assert not q.evaluate(float(t["achieved req/s"].max())).ok
+    assert lab02.speed_causes(t, CAPACITY) == []
+
+
+def test_knee_evidence_not_shown_when_throughput_keeps_rising():
+    t = load_table([0.98, 1.9, 2.8, 3.6, 6.0])   # achieved 3.6 -> 6.0 while offered 4.5 -> 7
+    shown, why = lab02.knee_evidence(t)
+    assert not shown and "achieved 1.67x" in why
+    assert not lab02.knee_evidence(load_table([0.85, 1.7, 2.0, 2.1, 2.1]))[0]
+    assert not lab02.knee_evidence(load_table([1.0, 2.0, 3.0, 4.5, 6.9]))[0]
+    causes = lab02.speed_causes(t, capacity=3.6)
+    assert causes and "speed moved" in causes[0]
+
+
+def test_settle_sweep_adds_a_lighter_or_a_heavier_load():
+    # The machine got 2.5 times as slow after the calibration: the lightest load is already past
+    # the knee, and a lighter one is added.
+    slow = simulated_sweep(CAPACITY, speed=0.4)
+    assert lab02.knee_rule(lab.load_table(slow))[0] == 0
+    added = []
+
+    def run_at(rate, speed=0.4):
+        added.append(rate)
+        return simulated_run(rate, [s / speed for s in SERVICES])
+    out, notes = lab02.settle_sweep(dict(slow), run_at)
+    assert added and min(out) == added[0] < min(slow) and list(out) == sorted(out)
+    assert lab02.knee_rule(lab.load_table(out))[0] > 0
+    assert "already fell short of the lightest load" in notes[0]
+    # Three times as fast: the engine keeps up with every load, and a heavier one is added.
+    fast = simulated_sweep(CAPACITY, speed=3.0)
+    added.clear()
+    out, notes = lab02.settle_sweep(dict(fast), lambda r: run_at(r, speed=3.0))
+    assert added and max(out) > max(fast) and "kept up with every load" in notes[0]
+    assert not math.isnan(lab02.knee_rule(lab.load_table(out))[1])
+    # A sweep that brackets its knee is left alone.
+    calm = simulated_sweep(CAPACITY)
+    assert lab02.settle_sweep(dict(calm), run_at) == (calm, [])
+
+
+def test_settle_sweep_runs_a_contradicted_load_again():
+    # A run slowed down by other programs mid-sweep fell short of B's light load, although the
+    # engine kept up with a heavier one: it is run again, and the faster try is kept.
+    sweep = simulated_sweep(CAPACITY)
+    light = min(sweep)
+    sweep[light] = simulated_run(light, [3 * s for s in SERVICES])   # a stalled run
+    t = lab.load_table(sweep)
+    assert lab02.knee_rule(t)[1] == light                             # the rule is fooled
+    assert "kept up with a heavier load" in lab02.suspects(t)[light]
+    again = []
+    out, notes = lab02.settle_sweep(dict(sweep), lambda r: again.append(r) or simulated_run(r, SERVICES))
+    assert again == [light] and "run again" in notes[0] and "faster of the two" in notes[0]
+    assert lab02.knee_rule(lab.load_table(out))[0] >= light
+    # Past the knee, a load far below the others' plateau is suspect too.
+    t = load_table([0.98, 1.9, 2.9, 2.0, 3.4])
+    assert "another load past the knee" in lab02.suspects(t)[4.5]
+
+
+def test_sooner_evidence_and_busiest():
+    rows = [{"pair": k, "batching": b, "mean TTFT (ms)": v}
+            for k, (s, c) in enumerate([(850, 690), (800, 700), (600, 720)], start=1)
+            for b, v in (("static", s), ("continuous", c))]
+    shown, why = lab02.sooner_evidence(pd.DataFrame(rows))
+    assert shown and "700 ms with continuous batching against 800 ms" in why and "2 of 3" in why
+    rows = [dict(r, **{"mean TTFT (ms)": 1000 - r["mean TTFT (ms)"]}) for r in rows]
+    assert not lab02.sooner_evidence(pd.DataFrame(rows))[0]
+    quiet, busy = lab.Load(0.05, 2, 3.0), lab.Load(0.9, 2, 3.0)
+    runs = [SimpleNamespace(load=quiet), SimpleNamespace(load=busy), SimpleNamespace(load=None)]
+    assert lab02.busiest(runs) is busy
 
 
 def phase_frame(queue, prefill, decode):
@@ -155,6 +343,15 @@ def test_q4_where_the_latency_goes(monkeypatch):
     # A uniform slowdown moves the seconds, not the shares: the answer is this run's data.
     slow_decode = phase_frame([0.0, 0.0], [0.1, 0.1], [2.5, 2.6])
     assert lab02.q4_where_it_goes(light, slow_decode, SEATS).evaluate("decode").ok
+
+
+def test_queue_evidence():
+    light = phase_frame([0.0, 0.0], [0.1, 0.1], [0.5, 0.6])
+    heavy = phase_frame([0.9, 1.5], [0.2, 0.2], [1.0, 1.2])
+    shown, why = lab02.queue_evidence(lab02.latency_shares(light, heavy))
+    assert shown and "grew the most: queue" in why
+    calm = phase_frame([0.01, 0.0], [0.1, 0.1], [0.9, 1.0])
+    assert not lab02.queue_evidence(lab02.latency_shares(light, calm))[0]
 
 
 # ---- lab 03 -----------------------------------------------------------------------------------
@@ -251,6 +448,33 @@ def test_deterioration_point():
     mild = pressure([(4, 4, 0, 0, 0), (5, 5, 0, 1, 2), (6, 6, 0, 2, 9)])
     assert lab03.deterioration_point(mild, output_tokens=32) == 6   # 2 steps is within 10 %
     assert lab03.deterioration_point(pressure([(1, 1, 0, 0, 0)]), 32) is None
+
+
+def test_pressure_evidence():
+    shown, why = lab03.pressure_evidence(SWEEP, planned=4)
+    assert shown and "3 of 3 runs at or below it" in why and "3 of 3 runs above it" in why
+    early = pressure([(1, 1, 0, 0, 0), (4, 4, 0, 1, 3), (5, 5, 1, 1, 7)])   # a preemption at c = 4
+    assert not lab03.pressure_evidence(early, planned=4)[0]
+    calm = pressure([(4, 4, 0, 0, 0), (5, 5, 0, 0, 0)])                      # nothing past the plan
+    assert not lab03.pressure_evidence(calm, planned=4)[0]
+
+
+@pytest.mark.parametrize("stem", ["02_continuous_batching", "03_kv_cache_detective"])
+def test_control_panels_show_the_labs_own_engine(stem):
+    # Issue 19: lab 03's KV slider showed the preset's 32 blocks where the lab's engine has 28. A
+    # panel given engine= shows that engine's real values (minserve/lab/controls.py).
+    jupytext = pytest.importorskip("jupytext")
+    from lab_sources import LABS
+    cells = [c.source for c in jupytext.read(str(LABS / f"{stem}.py")).cells if c.cell_type == "code"]
+    panels = [c for c in cells if "lab.control_panel(" in c]
+    assert panels and all("engine=llm" in c for c in panels)
+
+
+def test_a_panel_given_the_engine_shows_its_kv_blocks():
+    from minserve.lab.controls import engine_settings
+    eng = LLMEngine.from_engine_args("tiny-llama", max_num_seqs=8, max_num_batched_tokens=256,
+                                     num_kv_blocks=28, enable_prefix_caching=False)
+    assert engine_settings(eng)["num_kv_blocks"] == 28 and engine_settings(eng)["max_num_seqs"] == 8
 
 
 # ---- the toolkit under the labs (tiny-llama) ----------------------------------------------------

@@ -184,3 +184,21 @@ def deterioration_point(table, output_tokens: int, threshold: float = 0.10):
         if table.loc[c, "most extra steps"] > threshold * output_tokens:
             return c
     return None
+
+
+def pressure_evidence(table, planned: int) -> tuple[bool, str]:
+    """The lesson of steps 4 and 5, on :func:`~minserve.lab.capacity.pressure_table`: no row at or
+    below the planned capacity preempted or made a request wait, and every row above it did one
+    or the other (counted by the engine, the same on any machine)."""
+    below = [c for c in table.index if c <= planned]
+    above = [c for c in table.index if c > planned]
+
+    def troubled(c):
+        return table.loc[c, "preemptions"] > 0 or table.loc[c, "max waiting"] > 0
+    calm = [c for c in below if not troubled(c)]
+    hit = [c for c in above if troubled(c)]
+    shown = bool(below) and bool(above) and len(calm) == len(below) and len(hit) == len(above)
+    pre = ", ".join(f"{int(table.loc[c, 'preemptions'])} at c = {c}" for c in above) or "no run above it"
+    return shown, (f"planned capacity {planned}: {len(calm)} of {len(below)} runs at or below it ran "
+                   f"without preemption or waiting; {len(hit)} of {len(above)} runs above it preempted "
+                   f"or made requests wait (preemptions: {pre})")

@@ -21,9 +21,11 @@ drawn from a skewed mix (most answers short, a few long), which is what makes a 
 for its slowest member. :func:`run_mixed` is the whole experiment in one call (the labs' control
 panel runs it).
 
-:func:`load_table` turns ``{offered load: RunResult}`` (a sweep of request rates or concurrency)
-into one row per run: offered and achieved throughput, TTFT and queue time percentiles, waiting
-requests and preemptions, so a lab can plot what extra load turns into.
+:func:`achieved_rate` is the throughput a load sweep plots against the offered load: requests
+taken into a seat per second while requests keep arriving (see there for why not finished requests
+over the whole run). :func:`load_table` turns ``{offered load: RunResult}`` (a sweep of request
+rates or concurrency) into one row per run: offered and achieved throughput, TTFT and queue time
+percentiles, waiting requests and preemptions, so a lab can plot what extra load turns into.
 
 For the KV cache: :func:`kv_allocation` puts the formula for K/V bytes per token
 (:func:`kv_bytes_per_token`, float or int8 cache) next to what the engine actually allocated;
@@ -245,11 +247,48 @@ def running_over_time(run):
 
 # ---- a sweep, one row per run ------------------------------------------------------------------
 
+def achieved_rate(run, seats: int | None = None) -> float:
+    """The throughput of a run in steady state, in requests per second: the rate at which the
+    engine took requests into a seat, from the first request that could have had to wait (the
+    ``seats + 1``-th admitted; ``seats`` defaults to the run's ``max_num_seqs``) to the last.
+
+    Why admissions, not "finished requests / run time": a run of N requests offered at a rate
+    ends with a drain. After the last arrival nobody new comes, the engine only finishes what it
+    has, so N / run time is N / (N / rate + the last requests' own latency): on a 16-request run
+    that read 90 % of the offered load at a point where nobody had waited, and it moved with the
+    length of whichever answer happened to come last. In a steady state every request taken in
+    is a request finished later, so the rate of admissions *is* the throughput, and it is measured
+    while requests still arrive. While the engine keeps up, each request is admitted as it
+    arrives and this is the offered rate itself; once the seats are full, a request is admitted
+    only when another one finishes, and this is the rate at which the engine finishes them. The
+    first ``seats`` requests are left out because they find empty seats at any load. (It is also
+    the same thing seen from the queue: admissions fall behind arrivals exactly when, and by as
+    much as, the queue builds.)
+
+    Over HTTP (no admission times) the first-token times stand in for them. Falls back to the
+    whole-run ``request_throughput`` when the run has too few requests to measure a rate."""
+    r = run.requests[run.requests.success]
+    times = r.first_scheduled_s.to_numpy(float) if "first_scheduled_s" in r else np.array([])
+    if not len(times) or not np.isfinite(times).all():
+        times = r.first_token_s.to_numpy(float)
+    times = np.sort(times[np.isfinite(times)])
+    if seats is None:
+        seats = int(run.settings.get("max_num_seqs") or 1)
+    skip = min(int(seats), max(0, len(times) - 3))  # keep at least three admissions
+    span = times[-1] - times[skip] if len(times) >= 2 else 0.0
+    if len(times) - skip < 2 or span <= 0:
+        return float(run.summary.get("request_throughput", math.nan))
+    return float((len(times) - 1 - skip) / span)
+
+
 def load_table(runs: dict, offered: str = "offered req/s") -> "pd.DataFrame":
     """One row per run of a load sweep ``{offered load: RunResult}`` (keys: request rates, or
-    concurrency levels; the index is named ``offered``). Columns: achieved request and output
-    token throughput over the run, median and p90 TTFT and queue time (ms), the median share of
-    TTFT spent queued, the most requests seen waiting, and preemptions."""
+    concurrency levels; the index is named ``offered``). Columns: achieved requests per second
+    (:func:`achieved_rate`: in steady state, without the drain at the end), finished requests per
+    second over the whole run (``whole-run req/s``: what a benchmark's ``request_throughput``
+    reports, drain included) and output tokens per second over the run, median and p90 TTFT and
+    queue time (ms), the median share of TTFT spent queued, the most requests seen waiting, and
+    preemptions."""
     import pandas as pd
     rows = []
     for load, run in runs.items():
@@ -260,7 +299,8 @@ def load_table(runs: dict, offered: str = "offered req/s") -> "pd.DataFrame":
         s = run.summary
         rows.append({
             offered: float(load),
-            "achieved req/s": float(s.get("request_throughput", math.nan)),
+            "achieved req/s": achieved_rate(run),
+            "whole-run req/s": float(s.get("request_throughput", math.nan)),
             "output tok/s": float(s.get("output_throughput", math.nan)),
             "median TTFT (ms)": _pct(ttft, 50) * 1000, "p90 TTFT (ms)": _pct(ttft, 90) * 1000,
             "median queue (ms)": _pct(queue, 50) * 1000, "p90 queue (ms)": _pct(queue, 90) * 1000,
