@@ -192,3 +192,8 @@ def test_indistinct_mistakes_are_reported():
     q = NumberCheck("q", 3, solution="answer = 3", hint="h", integer=True,
                     mistakes=[Mistake("rounds up", value=3), Mistake("forgets a step", value=2)])
     assert [m.message for m in q.indistinct_mistakes()] == ["rounds up"]
+
+
+def test_a_small_miss_never_reads_zero_percent():
+    q = NumberCheck("q", 1000.0, solution="answer = 1000.0", hint="h", integer=True)
+    assert "0.40 % too high" in q.evaluate(1004).message

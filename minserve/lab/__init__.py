@@ -48,8 +48,8 @@ __all__ = [
 ]
 
 # Labs 02 and 03: static vs continuous batching, load sweeps, KV-cache pressure (lab/capacity.py).
-from minserve.lab.capacity import (StaticBatcher, extra_steps, kv_allocation, load_table,  # noqa: E402
-                                   mixed_requests, pressure_table, run_mixed, run_static,
-                                   running_over_time, seat_use, steps_taken)
-__all__ += ["StaticBatcher", "extra_steps", "kv_allocation", "load_table", "mixed_requests",
+from minserve.lab.capacity import (StaticBatcher, achieved_rate, extra_steps, kv_allocation,  # noqa: E402
+                                   load_table, mixed_requests, pressure_table, run_mixed,
+                                   run_static, running_over_time, seat_use, steps_taken)
+__all__ += ["StaticBatcher", "achieved_rate", "extra_steps", "kv_allocation", "load_table", "mixed_requests",
             "pressure_table", "run_mixed", "run_static", "running_over_time", "seat_use", "steps_taken"]

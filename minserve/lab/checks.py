@@ -238,7 +238,8 @@ class NumberCheck(Check):
                 return False, (f"{msg}, but it is off by a factor of {_fmt(ratio)}: a unit mix-up? "
                                f"The question asks for {self.unit or 'a different unit'}.")
             side = "high" if a > e else "low"
-            msg += f": it is {abs(ratio - 1) * 100:.0f} % too {side}{why}."
+            pct = abs(ratio - 1) * 100   # enough digits that a small miss never reads "0 %"
+            msg += f": it is {pct:.{0 if pct >= 10 else 1 if pct >= 1 else 2}f} % too {side}{why}."
         else:
             msg += f"{why}."
         return False, f"{msg} Hint: {self.hint_text}"
