@@ -73,6 +73,43 @@ def test_q3_deadline_prediction(monkeypatch):
     assert "one decode step short" in q.evaluate(1000 * (P * p + (N - 1) * d)).message
     assert "unit mix-up" in q.evaluate(P * p + N * d).message    # seconds
     assert verified_under_ci(q, monkeypatch)
+    # On this lab's numbers (a run's p = 3 ms per prompt token, d = 41.8 ms) no slip is within the
+    # tolerance of the right answer: each one is told apart.
+    typical = lab07.q3_deadline_prediction(32, 8, 3e-3, 41.8e-3, 32 * 3e-3 + 8 * 41.8e-3)
+    assert typical.indistinct_mistakes() == []
+
+
+def test_q3_counting_one_step_short_is_named_when_the_prefill_costs_a_step():
+    """Issue 19: when the prompt's prefill costs about one decode step (P * p close to d), the
+    answer P * p + (N - 1) * d equals N * d, and the check called it "the decode alone": a wrong
+    diagnosis for the learner who counted N - 1 steps. Now the check names that slip (and, as the
+    two give the same number, the other one as well)."""
+    P, N, d = 32, 8, 41.8e-3
+    p = 1.01 * d / P                       # prefill of the prompt: one decode step and 1 %
+    q = lab07.q3_deadline_prediction(P, N, p, d, P * p + N * d)
+    v = q.evaluate(1000 * (P * p + (N - 1) * d))
+    assert not v.ok and "one decode step short" in v.message
+    assert v.message.index("one decode step short") < v.message.index("decode alone")
+    v = q.evaluate(1000 * N * d)           # the decode alone: named too, never called right
+    assert not v.ok and "decode alone" in v.message
+    assert q.evaluate(1000 * (P * p + N * d)).ok
+
+
+def test_merged_mistakes_name_every_slip_that_gives_the_value():
+    from minserve.lab.checks import Mistake
+    ms = lab07.merged([Mistake("slip A.", value=100.0), Mistake("slip B.", value=110.0),
+                       Mistake("slip C.", value=100.5), Mistake("any negative", test=lambda a: a < 0)],
+                      rel_tol=0.01)
+    assert len(ms) == 3
+    assert "slip A." in ms[0].message and "slip C." in ms[0].message and "2 slips" in ms[0].message
+    assert ms[1].message == "slip B." and ms[2].test is not None
+
+
+def test_q1_and_q2_tell_every_mistake_apart_on_a_typical_run():
+    """On a typical sweep (goodput past the knee below throughput, as the lab's lesson checks) no
+    named mistake of Exercise 1 can be mistaken for the right answer."""
+    t = sweep_table()
+    assert lab07.q1_goodput(t, 20.98).indistinct_mistakes() == []
 
 
 def test_q4_shed_class(monkeypatch):
@@ -187,6 +224,13 @@ def test_experiment_is_what_the_panel_calls(seats2, monkeypatch):
                             prompt_tokens=16, output_tokens=3, live=False)
     assert len(res.requests) == 3 and (res.requests.outcome == "ok").all()
     assert list(res.percentiles().columns) == ["p50", "p90", "p99", "answered"]
+    # The final figure exists without a live view, and shows as a PNG (the lab shows the last
+    # calibration run before pyplot has drawn anything, when a bare Figure would print as text).
+    assert res.figure is not None and len(res.figure.axes) == 3
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj, **kw: shown.append(obj))
+    res.show()
+    assert shown and shown[0].format == "png" and shown[0].data[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_offer_sends_each_calls_api_key(seats2):
@@ -200,3 +244,55 @@ def test_offer_sends_each_calls_api_key(seats2):
     assert by.loc["with key", "outcome"] == "ok" and by.loc["with key", "output_tokens"] == 2
     assert by.loc["no key", "status"] == 401 and by.loc["no key", "error_code"] == "invalid_api_key"
     assert res.settings["model"] == "tiny-llama" and len(res.state) > 0
+
+
+def test_service_time_is_a_calibration_measurement(seats2):
+    """The lab scales every rate and objective from repeated runs (lab.calibrate), not from one
+    cold run; each run's first wave (the requests seated first) gives the sample."""
+    from minserve.lab import calibrate
+    restore = slow_steps(seats2, 0.01)
+    try:
+        reqs = [SimpleNamespace(prompt=f"request number {i} " * 4, prompt_len=20, expected_output_len=4,
+                                request_id=str(i), scenario="") for i in range(4)]
+        with serve(seats2) as srv:
+            service = lab07.ServiceTime(srv.base_url, reqs, seats=2)
+            cal = calibrate(service, name="service", repeats=2, max_runs=3, tolerance=10.0, echo=False)
+    finally:
+        restore()
+    assert len(service.runs) == len(cal.samples) == 3 and len(cal.kept) == 2
+    assert cal.samples[0] not in cal.kept or cal.samples.count(cal.samples[0]) > 1   # first dropped
+    assert cal.median > 4 * 0.01                       # at least its steps' sleeps
+    assert all(t > 0 for t in service.tpot_s)
+    assert all(0 < x < s for x, s in zip(service.decode_s, cal.samples))
+    assert service.kept(service.decode_s, cal) == pytest.approx(float(np.median(service.decode_s[-2:])))
+
+
+def test_speed_drift_is_a_measured_cause_only_when_the_speed_changed():
+    frame = pd.DataFrame({"outcome": ["ok", "ok", "shed"], "ttft_s": [0.1, 0.2, np.nan],
+                          "e2e_s": [0.5, 0.6, 0.01]})       # decode 0.4 s
+    assert lab07.speed_drift(0.38, [frame]) == []
+    slower = lab07.speed_drift(0.2, [frame])
+    assert len(slower) == 1 and "100% slower" in slower[0] and "400 ms against 200 ms" in slower[0]
+    assert "faster" in lab07.speed_drift(0.8, [frame])[0]
+    assert lab07.speed_drift(0.2, []) == [] and lab07.speed_drift(0.2, [frame.iloc[2:]]) == []
+
+
+def test_lab07_panel_shows_the_servers_real_seats(seats2):
+    """Issue 19: the lab's panel showed "max_num_seqs (server's) 16" for a 4-seat server. The lab
+    passes its engine with the server's base_url, and the disabled sliders show its real values."""
+    import re
+    from pathlib import Path
+    pytest.importorskip("ipywidgets")
+    from minserve import lab
+    source = (Path(__file__).resolve().parent.parent / "labs" / "07_overload_and_goodput.py").read_text()
+    call = re.search(r"lab\.control_panel\((.*?)\)\n", source, re.S).group(1)
+    assert "base_url=srv.base_url" in call and "engine=llm" in call
+    with serve(seats2) as srv:
+        panel = lab.control_panel(run=tr.experiment, base_url=srv.base_url, engine=seats2)
+    def widgets(w):
+        yield w
+        for c in getattr(w, "children", ()):
+            yield from widgets(c)
+
+    seqs = [c for c in widgets(panel.widget) if getattr(c, "description", "").startswith("max_num_seqs")]
+    assert seqs and seqs[0].value == 2 and seqs[0].disabled and "(server's)" in seqs[0].description

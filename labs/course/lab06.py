@@ -30,6 +30,7 @@ from course.lab06_measure import (  # noqa: F401
     PER_POS, EngineRun, Pair, _zero, compare, decode_steps, run_side_by_side, spec_counters,
     steady_time, table)
 from course.lab06_model import (  # noqa: F401
-    contention_note, expected_tokens, per_position, roofline_costs, roofline_curve, stops_paying)
+    adaptive_cost, contention_note, expected_tokens, explain_gaps, model_gaps, per_position,
+    roofline_costs, roofline_curve, rule_stops, stops_paying)
 from course.lab06_workloads import (  # noqa: F401
     WORKLOAD_TEXT, WORKLOADS, conversations, make_engine, prompt_ids, spec_config)

@@ -116,8 +116,11 @@ class Explorer:
     batch size, output tokens, adaptive rule. Keeps the last speculative engine it built, so
     that trying another workload with the same k does not reload the model."""
 
-    def __init__(self, preset, plain, tokenizer, sentences: int | None = 2):
+    def __init__(self, preset, plain, tokenizer, sentences: int | None = 2, engine_args: dict | None = None):
         self.preset, self.plain, self.tok, self.sentences = preset, plain, tokenizer, sentences
+        # The speculative engines it builds get the plain engine's room (seats, KV blocks), so
+        # that a batch the panel allows runs whole on both sides.
+        self.engine_args = dict(engine_args or {})
         self._spec_key = None
         self._spec = None
         self.results: list[Pair] = []
@@ -130,7 +133,7 @@ class Explorer:
         key = (int(k), bool(adaptive))
         if self._spec_key != key:
             self._spec = None  # free the old one first: one extra model in memory at a time
-            self._spec = make_engine(self.preset, k=int(k), adaptive=bool(adaptive))
+            self._spec = make_engine(self.preset, k=int(k), adaptive=bool(adaptive), **self.engine_args)
             self._spec_key = key
         return self._spec
 

@@ -85,15 +85,25 @@ def spec_config(k: int, adaptive: bool = False, prompt_lookup_min: int = 1, meth
 
 
 def make_engine(preset, k: int | None = None, adaptive: bool = False, prompt_lookup_min: int = 1,
-                method: str = "ngram", **engine_args):
+                method: str = "ngram", warm_batches=None, **engine_args):
     """An ``LLM`` with the preset's engine arguments (plus ``engine_args``), speculating with
-    ``k`` proposals when ``k`` is given (:func:`spec_config`), warmed up. Several can live side
-    by side (unlike ``lab.engine_for``): a comparison needs a plain and a speculative engine."""
-    from minserve import LLM
+    ``k`` proposals when ``k`` is given (:func:`spec_config`), warmed up on the decode batch sizes
+    the lab measures (``warm_batches``; default: 1 and ``max_num_seqs``). Several can live side by
+    side (unlike ``lab.engine_for``): a comparison needs a plain and a speculative engine.
+
+    A speculative engine that always proposes also runs one short copy request, so that its
+    first verify steps (``k + 1`` rows) are behind it before anything is timed. An adaptive one
+    does not: that request would seed the rule's estimates, and section 8 starts each adaptive
+    engine fresh."""
+    from minserve import LLM, SamplingParams
     from minserve.lab.session import warm
     args = preset.engine_kwargs(**engine_args)
     if k:
         args["speculative_config"] = spec_config(k, adaptive, prompt_lookup_min, method)
     llm = LLM(preset.model, **args)
-    warm(llm)
+    warm(llm, batch_sizes=warm_batches)
+    if k and not adaptive:
+        prompt = prompt_ids(llm.get_tokenizer(), "copy", 1, sentences=2)[0]
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8),
+                     use_tqdm=False)
     return llm

@@ -154,6 +154,16 @@ class TrafficResult:
                 "good": good, "throughput_rps": ok / d if d > 0 else math.nan,
                 "goodput_rps": good / d if d > 0 else math.nan}
 
+    def show(self) -> None:
+        """Display the run's final figure in a notebook, as a PNG: the figure is a pyplot-free
+        one, which IPython only renders by itself once pyplot has drawn something."""
+        if self.figure is None:
+            return
+        from IPython.display import Image, display
+
+        from minserve.lab.live import figure_png
+        display(Image(data=figure_png(self.figure), format="png"))
+
     def percentiles(self, metric: str = "ttft_s", by: str = "label", q=(50, 90, 99)) -> "Any":
         """Percentiles (ms) of ``metric`` over the answered requests, one row per ``by`` value."""
         import pandas as pd
