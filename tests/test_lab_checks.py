@@ -197,3 +197,11 @@ def test_indistinct_mistakes_are_reported():
 def test_a_small_miss_never_reads_zero_percent():
     q = NumberCheck("q", 1000.0, solution="answer = 1000.0", hint="h", integer=True)
     assert "0.40 % too high" in q.evaluate(1004).message
+
+
+def test_the_nearest_matching_mistake_is_named():
+    q = NumberCheck("q", 100.0, solution="answer = 100.0", hint="h", rel_tol=0.01,
+                    mistakes=[Mistake("far slip", value=80.0, rel_tol=0.1),
+                              Mistake("near slip", value=76.0, rel_tol=0.1)])
+    assert "near slip" in q.evaluate(75.0).message
+    assert "far slip" in q.evaluate(81.0).message

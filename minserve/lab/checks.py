@@ -246,6 +246,10 @@ class NumberCheck(Check):
 
 
     def _mistake(self, a: float, e: float, within: bool) -> Mistake | None:
+        """The named mistake this answer made: a predicate that matches it (unless the predicate
+        also accepts this run's value), else the nearest value mistake it matches, provided the
+        answer is nearer to that mistake than to this run's value."""
+        near = []
         for m in self.mistakes:
             if not m.matches(a):
                 continue
@@ -254,8 +258,8 @@ class NumberCheck(Check):
                 if not (within and m.matches(e)):
                     return m
             elif abs(a - v) < abs(a - e):
-                return m
-        return None
+                near.append((abs(a - v), m))
+        return min(near, key=lambda t: t[0])[1] if near else None
 
     def indistinct_mistakes(self) -> list[Mistake]:
         """Value mistakes that this run cannot tell from the right answer (within the tolerance
