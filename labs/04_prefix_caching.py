@@ -29,17 +29,25 @@
 # **Goals.** By the end you will have:
 #
 # 1. predicted how many prompt tokens a request gets from the cache (whole blocks only);
-# 2. measured cold against warm TTFT, and the cache's queries, hits and hit rate on a workload with
-#    a shared preamble against one with unique prompts;
+# 2. measured cold against warm TTFT in repeated pairs, and the cache's queries, hits and hit rate
+#    on a workload with a shared preamble against one with unique prompts;
 # 3. seen why counting requests that hit is not the same as counting tokens saved;
 # 4. used TTFT to learn which document another tenant sent, and confirmed the leak with a
 #    two-sample test you can compute by hand;
 # 5. closed the leak with a per-tenant `cache_salt` (in the engine, and over HTTP with two API keys).
 #
-# **Run time:** about 1 minute on a 2-core laptop CPU in the `quick` preset (the default), up to 1.5
-# minutes when the machine is busy with other work. The `full` preset (`MINSERVE_LAB_PRESET=full`)
-# uses a 1,024-token system prompt, 32 requests of 1,024 tokens per workload and 16 probes per
-# group, sized for a GPU box (not timed there yet).
+# **Run time:** about 1 minute on a 2-core CPU in the `quick` preset (the default), quiet or busy:
+# measured 0.8 min with other processes using half a core, and 0.8 min with a whole core taken by
+# another process (`MINSERVE_LAB_CI=1`: 45 s and 70 s). The `full` preset
+# (`MINSERVE_LAB_PRESET=full`) uses a 1,024-token system prompt, 32 requests of 1,024 tokens per
+# workload and 16 probes per group, sized for a GPU box (not timed there yet). The last cell prints
+# this run's time, how busy the machine was meanwhile, and which of the lab's four lessons the run
+# showed.
+#
+# **On a busy machine.** The cache's token counts (queries, hits, tokens prefilled) are the
+# engine's own counts: they come out the same however busy the machine is. The timings are not:
+# each timing lesson below is checked on this run's numbers and says so plainly when the run did
+# not show it, with the load it measured.
 #
 # **Prerequisites:** [Lab 00](00_tour.ipynb) (TTFT, engine steps) and
 # [Lab 01](01_prefill_vs_decode.ipynb) (prefill cost grows with the prompt).
@@ -51,7 +59,8 @@
 # (`vllm:prefix_cache_queries`, `vllm:prefix_cache_hits`),
 # [`server/auth.py`](../minserve/server/auth.py) (`effective_salt`: the server's per-tenant salt),
 # [`lab/prefix.py`](../minserve/lab/prefix.py) and [`lab/sidechannel.py`](../minserve/lab/sidechannel.py)
-# (the workloads, the probes and the two-sample tests).
+# (the workloads, the cold/warm pairs, the probes and the two-sample tests), and
+# [`course/lab04.py`](course/lab04.py) (this lab's checks).
 
 # %%
 # Set-up check: what this notebook runs on (and quiet engine logs, shared figure style).
@@ -72,7 +81,18 @@ P = lab.setup()
 print(format_checks(run_checks(short=True), short=True))  # the short form of `minserve doctor`
 
 # %%
-llm = lab.engine_for(P, enable_prefix_caching=True)
+# Sizes per preset: quick for a 2-core CPU, full for a GPU box.
+SYSTEM_TOKENS, QUESTION_TOKENS = P.pick(quick=(256, 32), full=(1024, 64))            # section 1
+N_REQ, PROMPT_TOKENS, OUT_TOKENS = P.pick(quick=(6, 256, 8), full=(32, 1024, 32))    # section 2
+K, MEMO_TOKENS = P.pick(quick=(12, 96), full=(16, 512))         # section 3: probes per group, memo size
+ALPHA = 0.01   # the significance level of every test in this lab
+# Warm the engine up on the shapes this lab times (prefills of a question, a memo, a whole prompt,
+# two prompts in one step; decode batches of 1 and of the workload), so no measurement pays for a
+# first use.
+llm = lab.engine_for(P, enable_prefix_caching=True,
+                     warm_prompts=[8, QUESTION_TOKENS, MEMO_TOKENS, SYSTEM_TOKENS + QUESTION_TOKENS,
+                                   2 * PROMPT_TOKENS],
+                     warm_batches=[1, N_REQ])
 tok = llm.get_tokenizer()
 eng = llm.llm_engine
 BS = eng.config.block_size
@@ -110,8 +130,6 @@ AGENT = (
     ' {"name": "open_ticket", "description": "open a support ticket", '
     '"parameters": {"title": "string", "severity": "low | medium | high"}}]\n'
     "Manual excerpts:\n")
-SYSTEM_TOKENS = P.pick(quick=256, full=1024)
-QUESTION_TOKENS = P.pick(quick=32, full=64)
 (first, second), system_prompt = px.shared_prefix_requests(
     tok, 2, SYSTEM_TOKENS + QUESTION_TOKENS, 8, SYSTEM_TOKENS, AGENT, seed=1, label="agent",
     seam="\n\nUser:")
@@ -124,7 +142,8 @@ print(f"Each request: {len(ids1)} prompt tokens. The system prompt with its tool
 # %% [markdown]
 # **Exercise 1.** The first request runs alone on a cache that has never seen this system prompt.
 # Then the second request runs. How many of the second request's prompt tokens will be served from
-# the cache? Predict before running the cell after the next one.
+# the cache? Predict before running the cell after the next one. (It is a count, so it does not
+# depend on how fast this machine is.)
 
 # %%
 cached_predicted = None  # your prediction: a number of tokens
@@ -137,28 +156,53 @@ pair = pd.DataFrame({
     "prompt tokens": [len(o.prompt_token_ids) for o in (cold, warm)],
     "cached tokens": [o.num_cached_tokens for o in (cold, warm)],
     "prefilled tokens": [len(o.prompt_token_ids) - o.num_cached_tokens for o in (cold, warm)],
-    "TTFT (ms)": [1000 * o.metrics.ttft_s for o in (cold, warm)],
 }, index=["first (cold)", "second (warm)"])
-display(pair.round(1))
+display(pair)
 
 q1 = ex.q1_cached_tokens(C, BS, len(ids2), warm.num_cached_tokens)
 q1.check(cached_predicted)
 # q1.hint()
 # q1.solution()
 
+# %% [markdown]
+# ### Timing it: cold against warm, in repeated pairs
+#
+# Fewer tokens to prefill should mean an earlier first token. One pair of requests is a weak
+# measurement of that: on a shared machine one request can land in a busy second. So the next cell
+# repeats the experiment in pairs, each pair a cold request on a system prompt the cache has never
+# seen (its first line names the pair, so every block key is new) and a warm one right after it.
+# The first pair is dropped (a warm-up), and pairs are added until the last three agree on the time
+# the cache saved ([`lab/prefix.py`](../minserve/lab/prefix.py), `cold_warm_pairs`).
+#
+# **What to look for:** the warm request's TTFT well below the cold one's, in every kept pair.
+
 # %%
-speedup = cold.metrics.ttft_s / warm.metrics.ttft_s
-print(f"Cold TTFT {1000 * cold.metrics.ttft_s:.0f} ms, warm {1000 * warm.metrics.ttft_s:.0f} ms: "
-      f"{speedup:.1f}x faster, because the warm request prefilled "
-      f"{len(warm.prompt_token_ids) - warm.num_cached_tokens} tokens instead of "
-      f"{len(cold.prompt_token_ids)}.")
+pairs, pair_cal = px.cold_warm_pairs(llm, tok, SYSTEM_TOKENS + QUESTION_TOKENS, SYSTEM_TOKENS, AGENT,
+                                     seed=100, seam="\n\nUser:")
+kept = pairs[pairs.kept]
+cold_ms, warm_ms = 1000 * kept.cold_ttft_s.median(), 1000 * kept.warm_ttft_s.median()
+display((pairs.assign(cold_ttft_ms=1000 * pairs.cold_ttft_s, warm_ttft_ms=1000 * pairs.warm_ttft_s)
+         [["pair", "kept", "cold_ttft_ms", "warm_ttft_ms", "cold_prefilled", "warm_cached",
+           "warm_prefilled"]].round(1)))
+n_faster = int((kept.warm_ttft_s < kept.cold_ttft_s).sum())
+lab.lesson("04-warm-ttft", "a request whose system prompt is already cached gets its first token sooner",
+           shown=n_faster == len(kept) and warm_ms < cold_ms,
+           evidence=f"medians of {len(kept)} pairs after a warm-up pair: cold {cold_ms:.0f} ms, warm "
+                    f"{warm_ms:.0f} ms; the warm request was the faster one in {n_faster} of {len(kept)} pairs",
+           load=pair_cal.load, calibration=pair_cal)
+print(f"Cold TTFT {cold_ms:.0f} ms, warm {warm_ms:.0f} ms (medians): the warm request was "
+      f"{ex.times_word(warm_ms, cold_ms)}.")
+print(f"The engine's counts, the same on any machine: each warm request prefilled "
+      f"{int(kept.warm_prefilled.median())} tokens instead of {int(kept.cold_prefilled.median())}, "
+      f"taking {int(kept.warm_cached.median())} from the cache.")
 if lab01 and lab01.get("prefill_tok_per_s"):
     rate = lab01["prefill_tok_per_s"]
-    print(f"Lab 01 measured prefill at about {rate:.0f} tokens/s here: the {warm.num_cached_tokens} "
-          f"cached tokens would have cost about {1000 * warm.num_cached_tokens / rate:.0f} ms.")
+    saved = int(kept.warm_cached.median())
+    print(f"Lab 01 measured prefill at about {rate:.0f} tokens/s here: the {saved} cached tokens would "
+          f"have cost about {1000 * saved / rate:.0f} ms; this run's pairs saved {cold_ms - warm_ms:.0f} ms.")
 
 # %% [markdown]
-# Run the cell above the check again and the *first* request is warm too: cached blocks stay after
+# Run the exercise's request cell again and the *first* request is warm too: cached blocks stay after
 # their request has finished (their reference count drops to zero, but they keep their key), until
 # the space is needed and the least recently used ones are evicted.
 #
@@ -181,9 +225,6 @@ POLICY = (
     "3. When you refuse a request, quote the section of this policy that applies.\n"
     "4. Answers are short, factual and in plain language.\n"
     "Reference documents:\n")
-N_REQ = P.pick(quick=6, full=32)
-PROMPT_TOKENS = P.pick(quick=256, full=1024)
-OUT_TOKENS = P.pick(quick=8, full=32)
 SHARED = 7 / 8
 runs, counters = {}, {}
 for name, fraction in (("shared preamble", SHARED), ("unique prompts", 0.0)):
@@ -216,19 +257,29 @@ report = pd.DataFrame(rows).T
 report
 
 # %%
+med_s, med_u = (1000 * run.requests.ttft_s.median() for run in runs.values())
+busiest = max((r.load for r in runs.values() if r.load is not None),
+              key=lambda l: l.others_cores or 0.0, default=None)
+workload_shown = med_s < med_u
 fig, ax = plt.subplots(figsize=(8, 3.4))
 x = np.arange(N_REQ)
 for k, (name, run) in enumerate(runs.items()):
     r = run.requests.reset_index(drop=True)
     ax.bar(x + (k - 0.5) * 0.4, 1000 * r.ttft_s, width=0.4, label=name)
 ax.set(xlabel="request (in arrival order)", ylabel="TTFT (ms)",
-       title="TTFT per request: the shared preamble is prefilled once")
+       title=("TTFT per request: lower when the preamble is cached" if workload_shown else
+              "TTFT per request: is it lower when the preamble is cached?"))
 ax.set_xticks(x)
 ax.legend()
 plt.show()
-med_s, med_u = (1000 * run.requests.ttft_s.median() for run in runs.values())
-print(f"Median TTFT: {med_s:.0f} ms with the shared preamble, {med_u:.0f} ms with unique prompts "
-      f"({med_u / med_s:.1f}x).")
+lab.lesson("04-shared-workload", "with a shared preamble, the workload's median TTFT is lower than with "
+           "unique prompts of the same length", shown=workload_shown,
+           evidence=f"median TTFT {med_s:.0f} ms with the shared preamble, {med_u:.0f} ms with unique "
+                    f"prompts, {N_REQ} requests of {PROMPT_TOKENS} tokens each",
+           load=busiest)
+print(f"Median TTFT: {med_s:.0f} ms with the shared preamble, {med_u:.0f} ms with unique prompts: the "
+      f"shared run was {ex.times_word(med_s, med_u)}. The counters above are the engine's counts and "
+      "do not depend on the machine's load.")
 
 # %% [markdown]
 # **Exercise 2.** In the shared-preamble run, how many prompt tokens did the cache save (tokens whose
@@ -261,19 +312,25 @@ q3.check(hit_rate)
 # %%
 st = shared_run.steps
 pre = st[(st.num_prefill_tokens > 0) | (st.prefix_cache_hits > 0)].reset_index(drop=True)
+first_then_hits = bool(len(pre) > 1 and pre.prefix_cache_hits.iloc[0] == 0
+                       and pre.prefix_cache_hits.iloc[1:].sum() > 0)
 fig, ax = plt.subplots(figsize=(8, 3.2))
 ax.bar(pre.index, pre.num_prefill_tokens, color="tab:orange", label="prompt tokens computed")
 ax.bar(pre.index, pre.prefix_cache_hits, bottom=pre.num_prefill_tokens, color="tab:green",
        label="prompt tokens from the cache")
 ax.set(xlabel="engine step with prompt work", ylabel="tokens",
-       title="The cache is filled by the first step and used from the next")
+       title=("The cache is filled by the first step and used from the next" if first_then_hits else
+              "When does the cache start to serve this workload?"))
 ax.set_xticks(pre.index)
 ax.legend()
 plt.show()
 missed = shared_run.requests.query("cached_tokens == 0")
-print(f"{len(missed)} of {N_REQ} requests found nothing in the cache: "
-      f"{', '.join(missed.request_id)} (admitted together in the first step); the others each got "
-      f"{per_request_hit} tokens.")
+got = shared_run.requests.query("cached_tokens > 0").cached_tokens
+got_text = (f"each got {int(got.iloc[0])} tokens" if got.nunique() == 1 else
+            f"got {int(got.min())} to {int(got.max())} tokens") if len(got) else "found nothing either"
+print(f"{len(missed)} of {N_REQ} requests found nothing in the cache: {', '.join(missed.request_id)}. "
+      f"The first step with prompt work computed {int(pre.num_prefill_tokens.iloc[0])} prompt tokens "
+      f"and found {int(pre.prefix_cache_hits.iloc[0])} in the cache. The others {got_text}.")
 
 # %% [markdown]
 # ## 3. The side channel: TTFT tells who sent what
@@ -289,30 +346,42 @@ print(f"{len(missed)} of {N_REQ} requests found nothing in the cache: "
 # alone on the engine, and records the TTFT of each probe.
 #
 # **What to look for:** two clearly separated histograms, and a two-sample test that says the
-# difference is far too large to be chance.
+# difference is far too large to be chance: a p-value below `ALPHA` (0.01, set at the top).
 
 # %%
-K = P.pick(quick=8, full=16)
-MEMO_TOKENS = P.pick(quick=96, full=512)
-ALPHA = 0.01
 memos = [lab.text_of_length(tok, MEMO_TOKENS, seed=500 + i,
                             prefix=f"Memo {i:04d}, board only, strictly confidential.\n")
          for i in range(2 * K)]
 sent, unsent = memos[:K], memos[K:]
-victim, probes = sc.timing_attack(llm, sent, unsent, seed=0)
+with lab.LoadProbe() as leak_load:
+    victim, probes = sc.timing_attack(llm, sent, unsent, seed=0)
 hit = probes.loc[probes.group == sc.SENT, "ttft_s"]
 miss = probes.loc[probes.group == sc.UNSENT, "ttft_s"]
 leak_test = sc.two_sample_test(hit, miss, alpha=ALPHA)
 probes.groupby("group")[["ttft_s", "cached_tokens"]].median()
 
 # %%
+hit_cached = probes.loc[probes.group == sc.SENT, "cached_tokens"]
+miss_cached = probes.loc[probes.group == sc.UNSENT, "cached_tokens"]
+leak_shown = leak_test.significant and hit.median() < miss.median()
 ax = sc.plot_groups(probes, sc.SENT, sc.UNSENT, leak_test,
-                    title="Shared cache: probes of sent memos answer sooner")
+                    title=("Shared cache: probes of sent memos answer sooner" if leak_shown
+                           else "Shared cache: do probes of sent memos answer sooner?"))
 plt.show()
-mw = sc.mann_whitney(hit, miss)
+lab.lesson("04-leak", f"with one shared cache, TTFT tells which memos the victim sent (a two-sample test "
+           f"significant at alpha = {ALPHA:g}, the sent memos' probes the faster)", shown=leak_shown,
+           evidence=f"median TTFT of a probe {1000 * hit.median():.0f} ms if the victim had sent the memo, "
+                    f"{1000 * miss.median():.0f} ms if nobody had; {leak_test}",
+           load=leak_load.load, causes=ex.leak_causes(hit, miss, hit_cached))
+mw = sc.two_sample_test(hit, miss, alpha=ALPHA, method="mann-whitney")
 print(f"Median TTFT of a probe: {1000 * hit.median():.0f} ms if the victim had sent the memo, "
-      f"{1000 * miss.median():.0f} ms if nobody had. {leak_test}. The Mann-Whitney test agrees: "
-      f"p = {mw.p_value:.1e}.")
+      f"{1000 * miss.median():.0f} ms if nobody had ({ex.times_word(hit.median(), miss.median())}). "
+      f"{leak_test}. The Mann-Whitney test "
+      f"{'agrees' if mw.significant == leak_test.significant else 'disagrees'}: p = {mw.p_value:.2g}, "
+      f"{'' if mw.significant else 'not '}significant at alpha = {ALPHA:g}.")
+print(f"The engine's counts, the same on any machine: every probe of a sent memo found "
+      f"{int(hit_cached.min())} to {int(hit_cached.max())} of its tokens in the cache; the probes of "
+      f"unsent memos found {int(miss_cached.sum())} in all.")
 
 # %% [markdown]
 # Why a test, and which one: the attacker only has a handful of noisy timings. A two-sample test asks
@@ -320,7 +389,7 @@ print(f"Median TTFT of a probe: {1000 * hit.median():.0f} ms if the victim had s
 # The permutation test ([`lab/sidechannel.py`](../minserve/lab/sidechannel.py)) answers by
 # shuffling the group labels thousands of times; the Mann-Whitney U test uses ranks only, so one
 # probe that happened to be slow (another process took the CPU) cannot drag the result. Below
-# `alpha` = 0.01 we call the difference significant.
+# `ALPHA` = 0.01 we call the difference significant; every test in this lab uses that level.
 #
 # **Exercise 4.** The legal team has sent one memo about an acquisition; the attacker knows it is
 # about one of four companies. The next cell lets the victim send its memo (the choice is hidden in
@@ -374,22 +443,32 @@ q5.check(u_stat)
 # salts.
 #
 # **What to look for:** no probe finds anything in the cache, the histograms overlap, and the test
-# is no longer significant.
+# is no longer significant at `ALPHA`.
 
 # %%
-victim_salted, salted = sc.timing_attack(llm, sent, unsent, victim_salt="tenant-legal",
-                                         attacker_salt="tenant-other", seed=0)
+with lab.LoadProbe() as salted_load:
+    victim_salted, salted = sc.timing_attack(llm, sent, unsent, victim_salt="tenant-legal",
+                                             attacker_salt="tenant-other", seed=0)
 s_hit = salted.loc[salted.group == sc.SENT, "ttft_s"]
 s_miss = salted.loc[salted.group == sc.UNSENT, "ttft_s"]
 salted_test = sc.two_sample_test(s_hit, s_miss, alpha=ALPHA)
 cross_hits = int(salted.cached_tokens.sum())
 assert cross_hits == 0, "with different salts no attacker probe may find a cached block"
 ax = sc.plot_groups(salted, sc.SENT, sc.UNSENT, salted_test,
-                    title="One salt per tenant: sent and unsent memos look alike")
+                    title=("One salt per tenant: sent and unsent memos look alike" if not salted_test.significant
+                           else "One salt per tenant: do sent and unsent memos still differ?"))
 plt.show()
-print(f"Cached tokens found by the attacker's probes: {cross_hits}. Median TTFT: "
-      f"{1000 * s_hit.median():.0f} ms (sent) vs {1000 * s_miss.median():.0f} ms (not sent). "
-      f"{salted_test}.")
+lab.lesson("04-salt", f"with a salt per tenant, TTFT no longer tells sent from unsent memos (the test is not "
+           f"significant at alpha = {ALPHA:g})", shown=not salted_test.significant,
+           evidence=f"median TTFT {1000 * s_hit.median():.0f} ms (sent) vs {1000 * s_miss.median():.0f} ms "
+                    f"(not sent); {salted_test}",
+           load=salted_load.load,
+           causes=[f"no block was shared ({cross_hits} cached tokens found by the attacker), so this is a "
+                   f"false alarm: a test at alpha = {ALPHA:g} gives one in {1 / ALPHA:.0f} runs even when "
+                   "both groups are timed alike"])
+print(f"The engine's count, the same on any machine: the attacker's probes found {cross_hits} cached "
+      f"tokens. Median TTFT: {1000 * s_hit.median():.0f} ms (sent) vs {1000 * s_miss.median():.0f} ms "
+      f"(not sent). {salted_test}.")
 
 # %% [markdown]
 # **Exercise 6.** With per-tenant salts, does the timing still leak which memos the victim sent?
@@ -406,7 +485,7 @@ q6.check(salted_verdict)
 
 # %% [markdown]
 # A significance level is a promise about false alarms: with identical distributions, a test at
-# `alpha` = 0.01 still flags one run in a hundred. That is why the check above decides by the
+# `ALPHA` = 0.01 still flags one run in a hundred. That is why the check above decides by the
 # mechanism (no block was shared) and reads the test as evidence.
 #
 # ## 5. Over HTTP: the server salts by tenant for you
@@ -439,11 +518,11 @@ with lab.local_server.serve(llm, auth=Auth(keys)) as srv:
                  ("legal", "asks about it again", cached("sk-legal", memo + "\nTL;DR:"))]
 http_demo = pd.DataFrame(http_rows, columns=["tenant (API key)", "request", "cached tokens"])
 assert http_demo["cached tokens"][1] == 0 and http_demo["cached tokens"][2] > 0
-http_demo
+display(http_demo)
+print(f"The other tenant's probe found {http_demo['cached tokens'][1]} cached tokens; the legal team's "
+      f"own second request found {http_demo['cached tokens'][2]}.")
 
 # %% [markdown]
-# The other tenant's probe found nothing; the legal team's own second request found its blocks.
-#
 # ## 6. Explore
 #
 # The panel runs `lab.prefix.prefix_experiment`, the function section 2 called, with the values on
@@ -473,8 +552,9 @@ explore.percentiles()
 
 # %%
 baseline = {
-    "agent_cold_ttft_ms": round(1000 * cold.metrics.ttft_s, 1),
-    "agent_warm_ttft_ms": round(1000 * warm.metrics.ttft_s, 1),
+    "agent_cold_ttft_ms": round(cold_ms, 1),      # medians of the kept cold/warm pairs
+    "agent_warm_ttft_ms": round(warm_ms, 1),
+    "agent_ttft_pairs": int(len(kept)),
     "agent_cached_tokens": int(warm.num_cached_tokens),
     "workload": {name: {"queries": int(counters[name]["queries"]), "hits": int(counters[name]["hits"]),
                         "median_ttft_ms": round(1000 * run.requests.ttft_s.median(), 1)}
@@ -484,15 +564,15 @@ baseline = {
     "leak_p_value": leak_test.p_value,
     "salted_p_value": salted_test.p_value,
     "salted_cross_tenant_hits": cross_hits,
+    "alpha": ALPHA,
 }
 baseline_path = lab.record_baseline("04", baseline)
 if lab01 and lab01.get("prefill_tok_per_s"):
     fixed_ms = lab01.get("prefill_fixed_ms", 0.0)
     predicted = fixed_ms + 1000 * len(cold.prompt_token_ids) / lab01["prefill_tok_per_s"]
     print(f"\nLab 01's prefill line (fixed cost + tokens / speed) predicts {predicted:.0f} ms for the "
-          f"cold agent request; it took {1000 * cold.metrics.ttft_s:.0f} ms. The warm one, "
-          f"{1000 * warm.metrics.ttft_s:.0f} ms, paid for {len(warm.prompt_token_ids) - warm.num_cached_tokens} "
-          "tokens only.")
+          f"cold agent request; the pairs' median was {cold_ms:.0f} ms. The warm one, {warm_ms:.0f} ms, "
+          f"paid for {len(warm.prompt_token_ids) - warm.num_cached_tokens} tokens only.")
 
 # %% [markdown]
 # ## Summary
@@ -500,13 +580,15 @@ if lab01 and lab01.get("prefill_tok_per_s"):
 # - The prefix cache works in whole blocks keyed by everything before them, so a request reuses the
 #   longest run of full blocks it shares with what was computed before; a partly shared block is
 #   computed again, and so is the last prompt token.
-# - A hit skips prefill, so it cuts TTFT (and prefill work); it does nothing for the decode that
-#   follows.
+# - A hit skips prefill, so it cuts prefill work, and with it TTFT when the machine gives the
+#   request its share of the CPU; it does nothing for the decode that follows. The token counts
+#   hold on any machine; the time saved is a measurement (the lessons above say what this run saw).
 # - Measure the benefit in tokens: `vllm:prefix_cache_hits / vllm:prefix_cache_queries`. Requests
 #   admitted together with the first one find nothing yet, because blocks are published only once
 #   computed.
-# - A shared cache is a timing side channel: TTFT says whether a prefix was already there. A two-sample
-#   test turned a handful of probes into a clear verdict.
+# - A shared cache is a timing side channel: TTFT says whether a prefix was already there. A
+#   two-sample test at a level fixed beforehand (`ALPHA`) says whether a handful of probes is enough
+#   to tell.
 # - A per-tenant `cache_salt` closes it: different salts never share a block. `minserve serve` does
 #   this by default (salt bound to the API key's tenant) and restricts `/metrics` to admin keys.
 #
@@ -517,8 +599,14 @@ if lab01 and lab01.get("prefill_tok_per_s"):
 # - Rerun section 2 with `enable_prefix_caching=False` passed to `px.prefix_experiment` (the same
 #   workloads on an engine without the cache): which numbers in the report change, and which stay?
 # - How few probes does the attacker need? Rerun section 3 with `K = 3` and `K = 5`: at what point
-#   does the test stop being significant at 0.01, even without salts?
+#   does the test stop being significant at `ALPHA`, even without salts?
 # - Make the memos share a 64-token public header before the confidential part. What do the
 #   attacker's probes of unsent memos now find in the cache, and does the leak survive?
 # - Run the HTTP cell with a single API key for both tenants (`Auth({"sk-shared": Principal("team")})`):
 #   the two "tenants" now share a cache. When is that what you want?
+
+# %% [markdown]
+# ## This run
+
+# %%
+run_summary = lab.summary("04")

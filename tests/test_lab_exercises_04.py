@@ -137,6 +137,22 @@ def test_shared_prefix_requests_share_the_same_tokens_up_to_the_seam(tiny):
         px.shared_prefix_requests(tok, 2, 64, 4, 64)
 
 
+def test_cold_warm_pairs_are_cold_then_warm_and_calibrated(tiny):
+    tok = tiny.get_tokenizer()
+    pairs, cal = px.cold_warm_pairs(tiny, tok, 96, 64, "Policy:\n", output_tokens=2, seed=7,
+                                    repeats=2, max_runs=3, echo=False)
+    assert len(pairs) == 3 == len(cal.samples)   # repeats + the dropped warm-up pair
+    # The first pair is the calibration's warm-up: dropped; the median is over the kept ones.
+    assert list(pairs.kept) == [False] + [True] * (len(pairs) - 1)
+    assert cal.median == pytest.approx(float((pairs.cold_ttft_s - pairs.warm_ttft_s)[pairs.kept].median()))
+    # Engine counts, the same on any machine: each pair's first line makes its cold request cold,
+    # and its warm request finds the shared blocks.
+    assert (pairs.cold_prefilled == pairs.cold_prompt_tokens).all()
+    assert (pairs.warm_cached >= 48).all() and (pairs.warm_cached % 16 == 0).all()
+    assert (pairs.warm_prefilled == pairs.warm_prompt_tokens - pairs.warm_cached).all()
+    assert cal.load is not None
+
+
 def test_prefix_experiment_reports_what_the_counters_say():
     from minserve.lab.presets import Preset
     from minserve.lab.session import engine_for, release_engine
@@ -169,6 +185,7 @@ def test_q1_cached_tokens(monkeypatch):
     assert "whole prompt" in q.evaluate(288).message
     assert "finds them" in q.evaluate(0).message
     assert "too high" in q.evaluate(300).message
+    assert q.indistinct_mistakes() == []
     assert verified_under_ci(q, monkeypatch)
 
 
@@ -190,6 +207,7 @@ def test_q2_tokens_saved(monkeypatch):
     v = q.evaluate(5 * 224)                                          # "only the first missed"
     assert not v.ok and "same step as the first" in v.message
     assert "very first one" in q.evaluate(6 * 224).message
+    assert q.indistinct_mistakes() == []
     assert verified_under_ci(q, monkeypatch)
 
 
@@ -199,6 +217,7 @@ def test_q3_hit_rate(monkeypatch):
     assert "share of *requests*" in q.evaluate(4 / 6).message
     assert "percentage" in q.evaluate(58.33).message
     assert "inverse" in q.evaluate(1536 / 896).message
+    assert q.indistinct_mistakes() == []
     assert verified_under_ci(q, monkeypatch)
 
 
@@ -212,6 +231,34 @@ def test_q4_which_memo(monkeypatch):
     assert not wrong.ok and "nothing of it was cached" in wrong.message
     assert "answer with one of" in q.evaluate("Falcon").message
     assert verified_under_ci(q, monkeypatch)
+
+
+def test_q4_never_calls_a_slower_probe_faster():
+    """Issue 19: on a busy machine the victim's probe may not be the fastest; the old text then
+    said "0.9x faster than the slowest". Every comparison word now follows from the numbers."""
+    probes = pd.DataFrame({"ttft_s": [0.30, 0.36, 0.33, 0.29], "cached_tokens": [0, 0, 96, 0]})
+    guess = lab04.guess_table(probes, ["Heron", "Kestrel", "Osprey", "Plover"])
+    v = lab04.q4_which_memo(guess, "Osprey").evaluate("Osprey")
+    assert v.ok and "faster" not in v.message
+    assert "not the fastest this run" in v.message and "Plover took 290 ms" in v.message
+    assert "96 of its prompt tokens" in v.message
+
+
+def test_times_word_follows_the_numbers():
+    # The issue's run: cold 1652 ms, warm 1879 ms was printed as "0.9x faster".
+    assert lab04.times_word(1879, 1652) == "1.1x slower"
+    assert lab04.times_word(100, 400) == "4.0x faster"
+    assert lab04.times_word(1000, 1020) == "about as fast"
+    assert lab04.times_word(0, 10) == "not comparable"
+
+
+def test_leak_causes_name_what_the_run_measured():
+    hit, miss = [0.015, 0.016, 0.300], [0.160, 0.170, 0.165]
+    causes = lab04.leak_causes(hit, miss, [96, 96, 0])
+    assert any("1 of 3 probes of sent memos found nothing" in c for c in causes)
+    assert any("1 of 3 probes of sent memos took longer than the fastest probe of an unsent memo (160 ms)"
+               in c for c in causes)
+    assert lab04.leak_causes([0.015, 0.016], [0.16, 0.17], [96, 96]) == []
 
 
 def test_q5_u_statistic_names_the_usual_slips(monkeypatch):
@@ -231,6 +278,16 @@ def test_q5_u_statistic_names_the_usual_slips(monkeypatch):
     assert "should be a function" in q.evaluate(3).message
     assert "raised ZeroDivisionError" in q.evaluate(lambda a, b: 1 / 0).message
     assert verified_under_ci(q, monkeypatch)
+
+
+def test_q5_explanation_follows_this_runs_u():
+    """The old explanation always said "almost no hit probe was slower than a miss probe"."""
+    def right(a, b):
+        return sum(1.0 if x > y else 0.5 if x == y else 0.0 for x in a for y in b)
+    apart = lab04.q5_u_statistic([10.0, 11.0, 12.0], [100.0, 110.0, 120.0]).evaluate(right)
+    assert apart.ok and "every hit probe was faster than every miss probe" in apart.message
+    mixed = lab04.q5_u_statistic([10.0, 115.0, 130.0], [100.0, 110.0, 120.0]).evaluate(right)
+    assert mixed.ok and "almost no" not in mixed.message and "barely separate" in mixed.message
 
 
 def test_q6_salted_decides_by_the_mechanism(monkeypatch):

@@ -79,6 +79,7 @@ def test_q1_tokens_gained(monkeypatch):
     assert q.evaluate(saved / 46080).ok  # bytes saved / bytes per token: within a block
     assert_rejects(q, [((538062848 - 108275712) / 46080, "streamed"), (7312, "every token"),
                        (saved / 12240, "int8 KV"), (right / 16, "in blocks"), (right + 100, "Hint")])
+    assert q.indistinct_mistakes() == []
     assert verified_under_ci(q, monkeypatch)
 
 
@@ -96,6 +97,7 @@ def test_q2_bytes_speedup(monkeypatch):
     assert_rejects(q, [(8, "bits per weight"), (RESIDENT["fp32"] / RESIDENT["int4"], "resident"),
                        (1 / right, "upside down"), (STREAMED["fp32"] / STREAMED["int8"], "int8's ratio"),
                        (3.0, "too low")])
+    assert q.indistinct_mistakes() == []
     assert verified_under_ci(q, monkeypatch)
 
 
@@ -109,7 +111,23 @@ def test_q3_int8_kv_tokens(monkeypatch):
     assert q.evaluate(1712).ok and "3.82 times" in q.evaluate(1712).message
     assert_rejects(q, [(budget // (11520 * 16) * 16, "forgets the scales"), (4 * 448, "4 x the fp32"),
                        (448, "fp32 cache's count"), (107, "blocks"), (1700, "Hint")])
+    assert q.indistinct_mistakes() == []
     assert verified_under_ci(q, monkeypatch)
+
+
+def test_q3_names_the_forgotten_block_rounding():
+    """Issue 19: 20 MiB / 12,240 bytes = 1,713.4 tokens, one short block away from the pool's
+    1,712; the old check called that "0 % too high" instead of naming the mistake."""
+    budget = 20 * MIB
+    q = ex.q3_int8_kv_tokens(budget, 30, 3, 64, 16, 1712)
+    for unrounded in (budget / 12240, budget // 12240, round(budget / 12240)):
+        v = q.evaluate(unrounded)
+        assert not v.ok and "allocated in whole blocks of 16 tokens" in v.message, (unrounded, v.message)
+        assert "0 %" not in v.message
+    # Without the scales and without the blocks: both slips named.
+    v = q.evaluate(budget / 11520)
+    assert not v.ok and "forgets the scales, and that KV is allocated in whole blocks" in v.message
+    assert q.evaluate(1712).ok and q.evaluate(1712.0).ok    # the right count is never a mistake
 
 
 # ---- Exercise 4 and the shipped gate -----------------------------------------------------------
@@ -123,6 +141,36 @@ def test_shipped_gate_is_judged_by_the_gates_own_thresholds():
         assert t.loc[row, "gate"] == "FAIL" and "perplexity" in t.loc[row, "why"]
     assert t.loc["int8", "greedy agreement"] == pytest.approx(0.517, abs=1e-3)
     assert t.loc["int8", "exact match change (points)"] == pytest.approx(-3.125)
+
+
+def test_second_look_is_derived_from_the_results():
+    """Issue 19: the prose said "int8 fails on exact match alone" while the live slice failed int8
+    on perplexity. The sentences now come from the results they describe."""
+    shipped = ex.shipped_results()
+    text = ex.second_look(shipped)
+    assert "int8 fails: exact match 3.1% below fp32 > 3.0%" in text
+    assert "exact match alone" in text and "1 more right answer would have passed it" in text
+    assert "more than half" in text and "yet still fails the gate" in text
+    # A live slice that failed int8 on perplexity is reported as such, and as a different verdict.
+    live = ex.shipped_frame()
+    live.loc["int8", "why"] = "perplexity +1.04% > +1.00%"
+    text = ex.second_look(shipped, live, 3)
+    assert "live slice (3 texts, 64 questions" in text and "int8 fails: perplexity +1.04% > +1.00%" in text
+    assert "not the shipped run's verdict or reason" in text
+    live.loc["int8", ["gate", "why"]] = ["pass", ""]
+    assert "int8 passes. That is not the shipped run's verdict" in ex.second_look(shipped, live, 3)
+    same = ex.second_look(shipped, ex.shipped_frame(), 20)
+    assert "the same verdict, for the same reason" in same
+    # A passing int8 in the shipped data gets no "exact match alone" sentence.
+    passing = ex.judge([lab05_gate._result("int8", 135.4, 20.537, 0.00495, 0.517, 46)
+                        if r.spec.label == "int8" else r for r in shipped])
+    assert "exact match alone" not in ex.second_look(passing) and "int8 passes" in ex.second_look(passing)
+
+
+def test_verdicts_and_kl_order():
+    t = ex.shipped_frame()
+    assert ex.verdicts(t.loc[["fp32", "int8", "int4"]]) == "int8 fails: exact match 3.1% below fp32 > 3.0%; int4 passes"
+    assert ex.kl_order(t, ["int4:group_size=64", "int8", "int4"]) == ["int4", "int8", "int4:group_size=64"]
 
 
 def test_q4_release(monkeypatch):
@@ -160,6 +208,30 @@ def test_kernel_race_table():
     assert race.loc["int8 minserve C kernel", "fewer bytes than fp32 (x)"] == pytest.approx(
         4 * 64 * 64 / (64 * 64 + 4 * 64))
     assert (race["ms per call"] > 0).all() and (race["GB/s"] > 0).all()
+    # The read bandwidth of as many bytes as the fp32 matrix, timed in the same rounds: each row's
+    # share of it, and its speed-up over an fp32 multiply that would run at it.
+    read = race.attrs["read GB/s"]
+    assert read > 0 and race.attrs["read MB"] == pytest.approx(4 * 64 * 64 / 1e6)
+    assert race["share of read bandwidth"].to_numpy() == pytest.approx(race["GB/s"].to_numpy() / read)
+    at_read = race["speed-up over fp32 at read bandwidth"]
+    assert at_read.to_numpy() == pytest.approx(race.attrs["read ms"] / race["ms per call"].to_numpy())
+
+
+def test_speedup_parts_explain_a_speed_up_past_the_byte_ratio():
+    """Issue 19: the kernels ran at 8-12x fp32 past the bytes' 3.97x / 5.33x with no word that fp32
+    F.linear ran far below the read bandwidth. speed-up = byte ratio x GB/s ratio, exactly."""
+    race = pd.DataFrame({"GB/s": [10.0, 26.0], "ms per call": [8.0, 1.1], "speed-up over fp32": [1.0, 8.0 / 1.1],
+                         "fewer bytes than fp32 (x)": [1.0, 3.97],
+                         "speed-up over fp32 at read bandwidth": [0.3, 2.2]},
+                        index=["fp32 F.linear", "int8 minserve C kernel"])
+    race.loc["int8 minserve C kernel", "GB/s"] = 10.0 * (8.0 / 1.1) / 3.97   # consistent with the times
+    parts = ex.speedup_parts(race, "int8 minserve C kernel")
+    assert parts["speed-up"] == pytest.approx(parts["bytes"] * parts["GB/s ratio"])
+    assert parts["speed-up"] > parts["bytes"] and parts["over fp32 at read bandwidth"] == 2.2
+    real = ex.kernel_race(256, 256, rounds=2)
+    for name in ("int8 minserve C kernel", "int4 g32 minserve C kernel"):
+        p = ex.speedup_parts(real, name)
+        assert p["speed-up"] == pytest.approx(p["bytes"] * p["GB/s ratio"], rel=1e-9)
 
 
 # ---- engines: memory table, planner, decode race, gate slice (tiny-llama) ----------------------
@@ -174,7 +246,8 @@ def tiny_engines():
     preset = Preset(name="quick", model="tiny-llama", device="cpu",
                     engine_args=dict(max_num_seqs=8, max_num_batched_tokens=128))
     budget = ex.fp32_resident_bytes("tiny-llama") + 2 * MIB
-    engines = ex.build_engines(preset, {"fp32": "fp32", "int8": "int8"}, memory_budget=budget)
+    engines = ex.build_engines(preset, {"fp32": "fp32", "int8": "int8"}, memory_budget=budget,
+                               warm_prompts=[16, 40], warm_batches=[1, 2])
     return preset, budget, engines
 
 
@@ -203,6 +276,21 @@ def test_decode_race_and_its_preemption_guard(tiny_engines):
     small = ex.build_engines(preset, {"fp32": "fp32"}, num_kv_blocks=5)  # 80 tokens for 3 x 40
     with pytest.raises(RuntimeError, match="preempted"):
         ex.decode_race(small, ex.prose_prompts(tok, 3), 24)
+
+
+def test_decode_races_report_medians_of_repetitions(tiny_engines):
+    _, _, engines = tiny_engines
+    tok = engines["fp32"].get_tokenizer()
+    r1, rb, cal = ex.decode_races(engines, tok, 2, 4, repeats=2, max_runs=3, echo=False)
+    assert len(cal.samples) == 3 and len(cal.kept) == 2          # the first repetition dropped
+    assert list(r1.index) == list(rb.index) == ["fp32", "int8"]
+    assert list(r1.batch) == [1, 1] and list(rb.batch) == [2, 2]
+    for frame in (r1, rb):
+        ups = frame.attrs["speed-ups"]
+        assert all(len(v) == 2 for v in ups.values()) and ups["fp32"] == [1.0, 1.0]
+        assert frame.loc["int8", "speed-up over fp32"] == pytest.approx(sum(ups["int8"]) / 2)
+    # The calibration followed the last format's batch-1 speed-up, in per cent.
+    assert cal.kept == pytest.approx([100 * v for v in r1.attrs["speed-ups"]["int8"]])
 
 
 def test_gate_slice_on_built_engines(tiny_engines):

@@ -117,24 +117,63 @@ def guess_table(probes, candidates) -> "object":
 
 
 def q4_which_memo(guess, truth: str) -> ChoiceCheck:
-    """Which candidate memo did the victim send? ``guess``: :func:`guess_table`'s frame."""
-    slowest = float(guess["TTFT (ms)"].max())
+    """Which candidate memo did the victim send? ``guess``: :func:`guess_table`'s frame. Every
+    option's text is worked out from this run's timings and cached-token counts, so it cannot
+    call a slower probe "faster"."""
+    ttft = {r["candidate"]: float(r["TTFT (ms)"]) for _, r in guess.iterrows()}
+    cached = {r["candidate"]: int(r["cached_tokens"]) for _, r in guess.iterrows()}
+    fastest = min(ttft, key=ttft.get)
+    others = [v for k, v in ttft.items() if k != truth]
+    rest = float(np.median(others)) if others else math.nan
     options = {}
-    for _, r in guess.iterrows():
-        name, ttft = r["candidate"], float(r["TTFT (ms)"])
+    for name, t in ttft.items():
         if name == truth:
-            options[name] = (f"its probe answered in {ttft:.0f} ms, {slowest / ttft:.1f}x faster "
-                             f"than the slowest: {int(r['cached_tokens'])} of its prompt tokens were "
-                             "already in the cache, and only the victim could have put them there.")
+            if name == fastest:
+                timing = (f"its probe answered in {t:.0f} ms, {times_word(t, rest)} than the others' "
+                          f"median ({rest:.0f} ms)")
+            else:
+                timing = (f"its probe took {t:.0f} ms, not the fastest this run ({fastest} took "
+                          f"{ttft[fastest]:.0f} ms: the machine was busy at that moment), yet")
+            options[name] = (f"{timing}: {cached[name]} of its prompt tokens were already in the "
+                             "cache, and only the victim could have put them there.")
         else:
-            options[name] = (f"its probe took {ttft:.0f} ms: nothing of it was cached, so nobody "
-                             "had sent it. Look for the probe that skipped its prefill.")
+            found = ("nothing of it was cached, so nobody had sent it" if cached[name] == 0 else
+                     f"{cached[name]} of its tokens were cached")
+            options[name] = (f"its probe took {t:.0f} ms: {found}. Look for the probe that skipped "
+                             "its prefill.")
     return ChoiceCheck(
         "Exercise 4", truth, options=options,
         hint="a cached prefix is not prefilled again. Which probe got its first token clearly "
              "sooner than the others?",
         solution='answer = guess.loc[guess["TTFT (ms)"].idxmin(), "candidate"]',
         namespace=lambda: {"guess": guess})
+
+
+def times_word(t: float, ref: float) -> str:
+    """How ``t`` compares with ``ref`` (two durations), in words that follow from the numbers:
+    "3.1x faster", "1.2x slower", or "as fast" when they are within 5 %."""
+    if not (math.isfinite(t) and math.isfinite(ref)) or t <= 0 or ref <= 0:
+        return "not comparable"
+    if abs(t / ref - 1) < 0.05:
+        return "about as fast"
+    return f"{ref / t:.1f}x faster" if t < ref else f"{t / ref:.1f}x slower"
+
+
+def leak_causes(hit_s, miss_s, hit_cached) -> list[str]:
+    """What this run measured that can hide the leak: probes of sent memos that found nothing in
+    the cache (evicted, or the victim's request failed), and probes of sent memos slower than
+    the fastest probe of an unsent one (a busy moment slowed them)."""
+    hit, miss = np.asarray(hit_s, float), np.asarray(miss_s, float)
+    out = []
+    empty = int((np.asarray(hit_cached) == 0).sum())
+    if empty:
+        out.append(f"{empty} of {len(hit)} probes of sent memos found nothing in the cache")
+    slow = int((hit >= miss.min()).sum()) if len(miss) else 0
+    if slow:
+        out.append(f"{slow} of {len(hit)} probes of sent memos took longer than the fastest probe of an "
+                   f"unsent memo ({1000 * miss.min():.0f} ms): those probes were slowed by something "
+                   "other than their prefill")
+    return out
 
 
 class _UCheck(FunctionCheck):
@@ -182,9 +221,23 @@ def q5_u_statistic(hit_ms, miss_ms) -> FunctionCheck:
                  "    return sum(1.0 if x > y else 0.5 if x == y else 0.0 for x in a for y in b)",
         namespace={}, abs_tol=1e-9,
         tolerance_why="U is a count of pairs (halves for ties): exact",
-        explanation=f"With U of the hits = {_fmt(cases[0][1])} out of "
-                    f"{len(hit_ms) * len(miss_ms)} pairs, almost no hit probe was slower than a "
-                    "miss probe: the rank test turns that into a p-value.")
+        explanation=_u_meaning(cases[0][1], len(hit_ms) * len(miss_ms)))
+
+
+def _u_meaning(u: float, pairs: int) -> str:
+    """What this run's U of the hits says, in words chosen from its value."""
+    share = u / pairs if pairs else math.nan
+    if share == 0:
+        how = "every hit probe was faster than every miss probe"
+    elif share < 0.1:
+        how = f"a hit probe was the slower one in only {share:.0%} of the pairs"
+    elif share < 0.4:
+        how = f"a hit probe was the slower one in {share:.0%} of the pairs: hits tend to be faster"
+    else:
+        how = (f"a hit probe was the slower one in {share:.0%} of the pairs: the timings barely "
+               "separate the groups in this run")
+    return (f"U of the hits = {_fmt(u)} out of {pairs} pairs: {how}. The rank test turns U into a "
+            "p-value.")
 
 
 def q6_salted(salted_probes, test) -> ChoiceCheck:

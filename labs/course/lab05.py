@@ -10,12 +10,12 @@ import numbers
 
 from minserve.lab.checks import ChoiceCheck, Mistake, NumberCheck
 from course.lab05_gate import (  # noqa: F401
-    SHIPPED_COMMAND, SHIPPED_GATE, gate_frame, gate_slice, judge, shipped_frame, shipped_results,
-    smallest_passing)
+    SHIPPED_COMMAND, SHIPPED_GATE, gate_frame, gate_slice, judge, kl_order, second_look,
+    shipped_frame, shipped_results, smallest_passing, verdicts)
 from course.lab05_measure import (  # noqa: F401
-    FORMATS, GATE_EXTRA, MIB, build_engines, decode_race, format_args, fp32_resident_bytes,
-    SHAPES, kernel_contenders, kernel_race, memory_frame, plan_format, prose_prompts, race_panel,
-    speedup_share)
+    FORMATS, GATE_EXTRA, MIB, build_engines, decode_race, decode_races, format_args, fp32_resident_bytes,
+    READ, SHAPES, kernel_contenders, kernel_race, memory_frame, plan_format, prose_prompts, race_panel,
+    speedup_parts, speedup_share)
 
 
 def _num(a) -> bool:
@@ -98,6 +98,7 @@ def q3_int8_kv_tokens(kv_budget_bytes: int, layers: int, kv_heads: int, head_dim
         return kv_budget_bytes // (per_token * block_size) * block_size
     fp32_per_token = 2 * layers * kv_heads * head_dim * 4
     no_scales = 2 * layers * kv_heads * head_dim
+    int8_per_token = 2 * layers * kv_heads * (head_dim + 4)
     return NumberCheck(
         "Exercise 3", right, unit="tokens", integer=True,
         tolerance_why="whole blocks of a fixed number of bytes: the same on every machine",
@@ -110,15 +111,37 @@ def q3_int8_kv_tokens(kv_budget_bytes: int, layers: int, kv_heads: int, head_dim
                     f"{tokens(fp32_per_token):,} tokens: 4 x head_dim / (head_dim + 4), a little less "
                     "than 4 because of the scales.",
         mistakes=[
+            # Checked first: a count one block short of the bytes' quotient is a right formula
+            # with the allocation unit forgotten, not "0 % too high".
+            Mistake(f"you forgot that KV is allocated in whole blocks of {block_size} tokens: "
+                    f"{kv_budget_bytes:,} / {int8_per_token:,} bytes per token is "
+                    f"{kv_budget_bytes / int8_per_token:,.1f} tokens, but the pool holds whole blocks "
+                    "only; round down to whole blocks first.",
+                    test=_unrounded(kv_budget_bytes, int8_per_token, right)),
             Mistake(f"that forgets the scales: {no_scales:,} bytes per token is the int8 codes "
                     f"alone; each head's K and V also carry a 4-byte scale, {2 * layers * kv_heads * 4:,} "
                     "bytes more per token.", value=tokens(no_scales), rel_tol=0.0),
+            Mistake(f"that forgets the scales, and that KV is allocated in whole blocks of {block_size} "
+                    f"tokens: {no_scales:,} bytes per token is the int8 codes alone, and the pool "
+                    "holds whole blocks only.", test=_unrounded(kv_budget_bytes, no_scales, tokens(no_scales))),
             Mistake("that is 4 x the fp32 cache's tokens: 1 byte instead of 4 would be exactly that, "
                     "but the scales take room too.", value=4 * tokens(fp32_per_token), rel_tol=0.0),
             Mistake("that is the fp32 cache's count; kv_cache_dtype changes the bytes per token.",
                     value=tokens(fp32_per_token), rel_tol=0.0),
             Mistake("that is a number of blocks, not of tokens.", value=right // block_size, rel_tol=0.0),
         ])
+
+
+def _unrounded(budget_bytes: int, per_token: int, rounded: int):
+    """A test for "divided the bytes by the bytes per token, without rounding down to whole
+    blocks": within one token of the quotient (as a float, or floored or rounded) and not the
+    block-rounded count itself."""
+    raw = budget_bytes / per_token
+
+    def test(answer) -> bool:
+        return (_num(answer) and abs(float(answer) - raw) <= 1.0
+                and round(float(answer)) != rounded)
+    return test
 
 
 RELEASE_OPTIONS = ("int8", "int4", "int4:lm_head=quantize", "int4:group_size=64", "int4-awq:group_size=64")

@@ -18,7 +18,7 @@ from minserve.eval.gate import EvalData, FormatResult, check, measure, parse_for
 SHIPPED_COMMAND = (".venv/bin/python -m minserve.cli eval --model smollm2-135m --quantization "
                    "fp32,int8,int4,int4:lm_head=quantize,int4:lm_head=keep,int4:group_size=64,"
                    "int4-awq:group_size=64,int4-awq")
-SHIPPED_QUESTIONS = 64
+SHIPPED_QUESTIONS, SHIPPED_TEXTS = 64, 20
 SHIPPED_AGREEMENT_PROMPTS, SHIPPED_AGREEMENT_TOKENS = 40, 32
 # (format, weights MB streamed per token, perplexity, mean KL, greedy agreement (mean first
 # difference / length), questions answered right): README.md, "int4-awq", as printed there.
@@ -105,3 +105,81 @@ def smallest_passing(results: list[FormatResult], among: list[str]) -> str | Non
     """Of the rows named in ``among`` that pass, the one that streams the fewest weight bytes."""
     passing = [r for r in results if r.spec.label in among and r.passed]
     return min(passing, key=lambda r: r.weight_bytes).spec.label if passing else None
+
+
+# ---- the gate's verdicts in words (every sentence from the frame it describes) ---------------
+
+def verdict(row) -> str:
+    """One row of :func:`gate_frame` in words: "passes", or "fails: <the thresholds it misses>"."""
+    return "passes" if row["gate"] == "pass" else f"fails: {row['why']}"
+
+
+def verdicts(frame, skip: tuple[str, ...] = ("fp32",)) -> str:
+    """Every row's verdict, one sentence: "int8 fails: perplexity +1.04% > +1.00%; int4 passes"."""
+    return "; ".join(f"{label} {verdict(row)}" for label, row in frame.iterrows() if label not in skip)
+
+
+def kl_order(frame, labels) -> list[str]:
+    """``labels`` sorted by the frame's mean KL, smallest first."""
+    return sorted(labels, key=lambda k: float(frame.loc[k, "mean KL (nats)"]))
+
+
+def _kinds(row) -> set[str]:
+    """Which measures a row fails on ("perplexity", "mean KL", "exact match", ...), numbers aside."""
+    return {" ".join(r.split()[:2]) if r.startswith(("mean KL", "exact match", "greedy agreement"))
+            else r.split()[0] for r in str(row["why"]).split("; ") if r}
+
+
+def _only_exact_match(row) -> bool:
+    reasons = [r for r in str(row["why"]).split("; ") if r]
+    return bool(reasons) and all(r.startswith("exact match") for r in reasons)
+
+
+def _questions_to_pass(ref, r, limit: float) -> int:
+    """How many more right answers ``r`` needed to stay within ``limit`` (a drop in accuracy)."""
+    n = len(r.exact_match.correct)
+    drop = ref.exact_match.accuracy - r.exact_match.accuracy
+    k = 0
+    while drop - k / n > limit + 1e-12:
+        k += 1
+    return k
+
+
+def second_look(shipped: list[FormatResult], live_frame=None, live_texts: int | None = None,
+                live_label: str = "int8") -> str:
+    """Two rows of the shipped run worth a second look, in sentences worked out from the results:
+    int8's verdict (and, when it fails on exact match alone, how many questions decide it), next
+    to the live slice's verdict for the same format; and AWQ against plain int4 at groups of 64."""
+    by = {r.spec.label: r for r in shipped}
+    frame = gate_frame(shipped)
+    ref, r8 = by["fp32"], by["int8"]
+    row = frame.loc["int8"]
+    n = len(r8.exact_match.correct)
+    text = [f"In the shipped run, int8 {verdict(row)} ({row['exact match']} questions right against "
+            f"fp32's {frame.loc['fp32', 'exact match']}, perplexity {row['perplexity change (%)']:+.2f} %, "
+            f"mean KL {row['mean KL (nats)']:.4f})."]
+    if row["gate"] != "pass" and _only_exact_match(row):
+        k = _questions_to_pass(ref, r8, thresholds_for(r8.spec).max_em_drop)
+        text.append(f"It fails on exact match alone: on {n} questions one answer is {100 / n:.1f} points, "
+                    f"and {k} more right answer{'s' if k != 1 else ''} would have passed it, so a release "
+                    "would want a larger question set before trusting that verdict either way.")
+    if live_frame is not None and live_label in live_frame.index:
+        live = live_frame.loc[live_label]
+        same = live["gate"] == row["gate"] and _kinds(live) == _kinds(row)
+        questions = str(live["exact match"]).split("/")[-1]
+        size = f"{live_texts} texts, " if live_texts is not None else ""
+        text.append(f"On this run's live slice ({size}{questions} questions; the shipped run had "
+                    f"{SHIPPED_TEXTS} and {SHIPPED_QUESTIONS}), {live_label} {verdict(live)}"
+                    + (": the same verdict, for the same reason." if same else
+                       ". That is not the shipped run's verdict or reason: a slice this small "
+                       "measures fewer texts and far fewer questions, and its verdict can differ."))
+    g64, awq = frame.loc["int4:group_size=64"], frame.loc["int4-awq:group_size=64"]
+    kl_g, kl_a = float(g64["mean KL (nats)"]), float(awq["mean KL (nats)"])
+    if kl_g > 0:
+        share = 1 - kl_a / kl_g
+        how = ("more than half" if share > 0.5 else "less than half" if share > 0 else "none")
+        text.append(f"AWQ at groups of 64 takes back {how} of the mean KL plain int4 g64 adds "
+                    f"({kl_g:.2f} to {kl_a:.2f} nats, {share:.0%}), "
+                    + (f"yet still fails the gate ({awq['why']}): an improvement is not a pass."
+                       if awq["gate"] != "pass" else "and passes the gate."))
+    return " ".join(text)

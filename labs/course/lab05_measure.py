@@ -37,17 +37,23 @@ def fp32_resident_bytes(model: str) -> int:
     return plan(model, hardware="h100", precision="fp32").weight_bytes
 
 
-def build_engines(preset, names: dict[str, str], title: str = "building engines", **engine_args) -> dict:
-    """``{label: LLM}``, one warmed engine per format of ``names`` (label: gate name), each with
-    the preset's arguments plus ``engine_args``; a progress line while they load (quantizing at
-    load takes seconds per engine)."""
-    from course.lab06 import make_engine
+def build_engines(preset, names: dict[str, str], title: str = "building engines",
+                  warm_prompts: list[int] | None = None, warm_batches: list[int] | None = None,
+                  **engine_args) -> dict:
+    """``{label: LLM}``, one engine per format of ``names`` (label: gate name), each with the
+    preset's arguments plus ``engine_args``, warmed up on the prompt lengths ``warm_prompts`` and
+    decode batches ``warm_batches`` the lab will time (:func:`minserve.lab.hygiene.warm`; None: its
+    defaults). A progress line while they load (quantizing at load takes seconds per engine)."""
+    from minserve import LLM
+    from minserve.lab.hygiene import warm
     from minserve.lab.live import Progress
     bar = Progress(len(names), title, "engines")
     engines = {}
     for k, (label, name) in enumerate(names.items()):
         bar.update(k, f"now: {label}")
-        engines[label] = make_engine(preset, **format_args(name), **engine_args)
+        llm = LLM(preset.model, **preset.engine_kwargs(**format_args(name), **engine_args))
+        warm(llm, warm_prompts, warm_batches)
+        engines[label] = llm
     bar.update(len(names))
     return engines
 
@@ -154,34 +160,84 @@ def kernel_race(out_features: int = 49152, in_features: int = 576, rounds: int =
     hurts short calls most (a two-thread call waits whenever one of its threads is descheduled), so
     the fastest call is the one that measures the kernel; a median would measure the neighbours.
     Each result is first checked against the dequantized matrix's product. Columns: who, format,
-    MB stored, ms per call, GB/s (bytes stored / time), speed-up over fp32 F.linear, and the
-    bytes' ratio to fp32's."""
+    MB stored, ms per call, GB/s (bytes stored / time), its share of the read bandwidth, speed-up
+    over fp32 F.linear, the bytes' ratio to fp32's, and the speed-up over an fp32 multiply that
+    ran at the read bandwidth. ``frame.attrs`` holds the read bandwidth: a ``torch.sum`` over as
+    many bytes as the fp32 matrix, timed in the same rounds, or on one thread after them if that
+    was faster (a busy machine) ("read GB/s", "read ms", "read MB", "read threads")."""
     import pandas as pd
     from minserve.lab.live import Progress
     contenders, reference = kernel_contenders(out_features, in_features, seed=seed)
     x = torch.randn(batch, in_features, generator=torch.Generator().manual_seed(seed + 1))
+    # What merely reading the fp32 matrix's bytes costs on this machine, timed in the same rounds
+    # (a sum over as many float32 values: every byte read once, one add each). It is the bound a
+    # memory-bound fp32 multiply could reach, so the table can say how far F.linear is from it.
+    plain = torch.ones(out_features * in_features)
+    plain.sum()
     for name, (_, _, _, call) in contenders.items():
         want = reference(name, x)
         err = float((call(x) - want).abs().max())
         if err > 1e-3 * float(want.abs().max()) + 1e-5:
             raise AssertionError(f"{name} does not compute the product of its matrix (max error {err:.3g})")
-    times: dict[str, list[float]] = {name: [] for name in contenders}
+    calls = {**{name: (lambda c=c: c(x)) for name, (_, _, _, c) in contenders.items()},
+             READ: plain.sum}
+    times: dict[str, list[float]] = {name: [] for name in calls}
     bar = Progress(rounds, f"kernel race, [{out_features} x {in_features}] x {batch} row(s)", "rounds")
     for r in range(rounds):
         bar.update(r)
-        for name, (_, _, _, call) in contenders.items():
+        for name, call in calls.items():
             t = time.perf_counter()
-            call(x)
+            call()
             times[name].append(time.perf_counter() - t)
     bar.update(rounds)
     best = {name: min(t) for name, t in times.items()}
     fp32_bytes = contenders["fp32 F.linear"][2]
+    # With a core taken by another process, a two-thread sum waits for its descheduled thread and
+    # understates what memory gives; one thread on the free core does not. The faster one counts.
+    one_thread = _one_thread_seconds(plain.sum)
+    read_threads = torch.get_num_threads() if best[READ] <= one_thread else 1
+    best[READ] = min(best[READ], one_thread)
+    read_bw = fp32_bytes / best[READ]
     rows = [{"kernel": name, "who": who, "format": fmt, "MB stored": nbytes / 1e6,
              "ms per call": 1e3 * best[name], "GB/s": nbytes / best[name] / 1e9,
+             "share of read bandwidth": nbytes / best[name] / read_bw,
              "speed-up over fp32": best["fp32 F.linear"] / best[name],
-             "fewer bytes than fp32 (x)": fp32_bytes / nbytes}
+             "fewer bytes than fp32 (x)": fp32_bytes / nbytes,
+             "speed-up over fp32 at read bandwidth": best[READ] / best[name]}
             for name, (who, fmt, nbytes, _) in contenders.items()]
-    return pd.DataFrame(rows).set_index("kernel")
+    frame = pd.DataFrame(rows).set_index("kernel")
+    frame.attrs.update({"read GB/s": read_bw / 1e9, "read ms": 1e3 * best[READ],
+                        "read MB": fp32_bytes / 1e6, "read threads": read_threads})
+    return frame
+
+
+def _one_thread_seconds(call, repeats: int = 3) -> float:
+    """The fastest of ``repeats`` calls of ``call`` on one thread (the thread count restored)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        call()
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            call()
+            best = min(best, time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(before)
+    return best
+
+
+READ = "read the fp32 bytes (torch.sum)"
+
+
+def speedup_parts(race, name: str) -> dict:
+    """Why a kernel's speed-up over fp32 F.linear is what it is: speed-up = (fp32 bytes / its
+    bytes) x (its GB/s / fp32's GB/s), exactly, since time = bytes / GB/s for both. A speed-up
+    past the byte ratio means the fp32 call moved its bytes more slowly than the kernel did."""
+    fp, row = race.loc["fp32 F.linear"], race.loc[name]
+    return {"speed-up": float(row["speed-up over fp32"]), "bytes": float(row["fewer bytes than fp32 (x)"]),
+            "GB/s ratio": float(row["GB/s"] / fp["GB/s"]),
+            "over fp32 at read bandwidth": float(row["speed-up over fp32 at read bandwidth"])}
 
 
 # ---- the decode race ---------------------------------------------------------------------------
@@ -221,6 +277,46 @@ def decode_race(engines: dict, prompts: list[list[int]], max_tokens: int):
              "decode tok/s": rates[label], "speed-up over fp32": rates[label] / rates[first],
              "bytes predict": streamed[first] / streamed[label]} for label in engines]
     return pd.DataFrame(rows).set_index("format")
+
+
+def decode_races(engines: dict, tokenizer, batch: int, max_tokens: int, repeats: int = 3,
+                 max_runs: int = 5, tolerance: float = 0.2, echo: bool = True):
+    """:func:`decode_race` at batch 1 and at ``batch``, repeated as a calibration
+    (:func:`minserve.lab.hygiene.calibrate`: the first repetition is dropped, and repetitions are
+    added until the last ``repeats`` agree within ``tolerance`` on the last format's batch-1
+    speed-up, or ``max_runs`` were made). One race is a few seconds of a shared machine, and a
+    memory-hungry neighbour slows the memory-bound fp32 engine most, so one race can say
+    anything; the median of a few says what the engines do.
+
+    Returns (batch-1 frame, batch frame, calibration): :func:`decode_race`'s columns, each the
+    median over the kept repetitions (the speed-ups are medians of per-repetition ratios, so both
+    sides of a ratio come from the same seconds), and ``attrs["speed-ups"]``: every kept
+    repetition's speed-ups per format."""
+    import pandas as pd
+
+    from minserve.lab.hygiene import calibrate
+    last = list(engines)[-1]
+    reps: list[tuple] = []
+
+    def one() -> float:
+        r1 = decode_race(engines, prose_prompts(tokenizer, 1), max_tokens)
+        rb = decode_race(engines, prose_prompts(tokenizer, batch), max_tokens)
+        reps.append((r1, rb))
+        return 100 * float(r1.loc[last, "speed-up over fp32"])
+
+    cal = calibrate(one, name=f"{last}'s batch-1 decode speed", unit=f"% of {list(engines)[0]}'s",
+                    repeats=repeats, max_runs=max_runs, tolerance=tolerance, echo=echo)
+    kept = reps[-len(cal.kept):]
+    out = []
+    for i in range(2):
+        frames = [r[i] for r in kept]
+        med = pd.concat(frames).groupby(level=0, sort=False).median()
+        med = med.loc[frames[0].index]
+        med["batch"] = frames[0]["batch"]
+        med.attrs["speed-ups"] = {k: [float(f.loc[k, "speed-up over fp32"]) for f in frames]
+                                  for k in frames[0].index}
+        out.append(med)
+    return out[0], out[1], cal
 
 
 def speedup_share(race) -> "pd.Series":

@@ -9,6 +9,8 @@ benefits is a measurement, not a setting: the engine counts prompt tokens looked
 ``steps_frame()`` and per request in ``num_cached_tokens``.
 
 - :func:`shared_prefix_requests` builds requests that start with one shared text (or none);
+- :func:`cold_warm_pairs` times cold against warm requests in repeated pairs (a calibration: the
+  first pair is dropped, the median of the rest kept, with its spread);
 - :func:`prefix_experiment` runs such a workload (the function the lab's control panel calls);
 - :func:`cache_report` sums the run's cache counters (queries, hits, hit rate, requests that hit);
 - :func:`cache_counters` reads the engine's two Prometheus counters, for before/after deltas;
@@ -65,6 +67,57 @@ def shared_prefix_requests(tokenizer, num_requests: int, prompt_tokens: int, out
                          labels=[name] * num_requests, seed=seed + 1,
                          prefixes=[shared + " "] * num_requests if shared else None)
     return reqs, shared
+
+
+def cold_warm_pair(llm, tokenizer, prompt_tokens: int, shared_tokens: int, preamble: str = "", *,
+                   output_tokens: int = 8, seed: int = 0, seam: str = "\n\nRequest:") -> dict:
+    """One timed pair on ``llm`` (nothing else running): a request whose first ``shared_tokens``
+    the cache has never seen (cold), then one that shares them (warm). The shared text starts with
+    a line naming ``seed`` ("Deployment 7."), so each pair's first block, hence every block after
+    it (the keys are chained), is new to the cache even when ``preamble`` is not. Returns both
+    TTFTs (from the engine's records) and the engine's token counts."""
+    from minserve import SamplingParams
+    (cold_req, warm_req), _ = shared_prefix_requests(
+        tokenizer, 2, prompt_tokens, output_tokens, shared_tokens, f"Deployment {seed}.\n" + preamble,
+        seed=seed, seam=seam)
+    params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+    cold = llm.generate([cold_req.prompt], params, use_tqdm=False)[0]
+    warm = llm.generate([warm_req.prompt], params, use_tqdm=False)[0]
+    return {"pair": seed, "cold_ttft_s": cold.metrics.ttft_s, "warm_ttft_s": warm.metrics.ttft_s,
+            "cold_prompt_tokens": len(cold.prompt_token_ids),
+            "cold_prefilled": len(cold.prompt_token_ids) - int(cold.num_cached_tokens or 0),
+            "warm_prompt_tokens": len(warm.prompt_token_ids),
+            "warm_cached": int(warm.num_cached_tokens or 0),
+            "warm_prefilled": len(warm.prompt_token_ids) - int(warm.num_cached_tokens or 0)}
+
+
+def cold_warm_pairs(llm, tokenizer, prompt_tokens: int, shared_tokens: int, preamble: str = "", *,
+                    output_tokens: int = 8, seed: int = 0, seam: str = "\n\nRequest:",
+                    repeats: int = 3, max_runs: int = 6, tolerance: float = 0.2, echo: bool = True):
+    """Cold against warm TTFT, measured the way a timing lesson needs it on a busy machine:
+    :func:`cold_warm_pair` repeated under :func:`minserve.lab.hygiene.calibrate` (the first pair
+    is dropped as warm-up, pairs are added until the last ``repeats`` agree on the TTFT the cache
+    saved, cold - warm, within ``tolerance``, or ``max_runs`` pairs were made). One pair is a cold
+    and a warm request back to back, so a slow minute of the machine slows both.
+
+    Returns (frame, calibration): one row per pair with ``kept`` marking the pairs the
+    calibration's median is taken over; ``calibration.load`` is the load during all pairs."""
+    import pandas as pd
+
+    from minserve.lab.hygiene import calibrate
+    rows: list[dict] = []
+
+    def one_pair() -> float:
+        rows.append(cold_warm_pair(llm, tokenizer, prompt_tokens, shared_tokens, preamble,
+                                   output_tokens=output_tokens, seed=seed + len(rows), seam=seam))
+        return rows[-1]["cold_ttft_s"] - rows[-1]["warm_ttft_s"]
+
+    cal = calibrate(one_pair, name="TTFT the cache saved per pair (cold - warm)", repeats=repeats,
+                    max_runs=max_runs, tolerance=tolerance, echo=echo)
+    frame = pd.DataFrame(rows)
+    frame["kept"] = False
+    frame.loc[frame.index[-len(cal.kept):], "kept"] = True
+    return frame, cal
 
 
 def prefix_experiment(preset=None, *, num_requests: int = 8, request_rate: float = math.inf,
