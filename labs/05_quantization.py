@@ -76,7 +76,6 @@
 # Set-up check: what this notebook runs on (and quiet engine logs, shared figure style).
 import dataclasses
 import gc
-import os
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -536,8 +535,7 @@ gate_lesson = lab.lesson("05-gate-kl", "even a small slice ranks the formats by 
            causes=[f"the slice has {GATE_TEXTS} texts; KL is a model output, not a timing, so a busy "
                    "machine does not change it: a different order means these texts differ from the "
                    "shipped run's on average"],
-           # Not a timing: the machine's load is no cause here, so none is passed on (unknown = unused).
-           load=lab.Load(others_cores=None, cpus=os.cpu_count() or 1, seconds=0.0))
+           timing=False)  # a model output, not a timing: the machine's load is no cause here
 
 # %% [markdown]
 # **The shipped run.** The full gate (20 texts, 40 agreement prompts, 64 questions) takes minutes

@@ -133,11 +133,12 @@ class Calibration:
 
     def describe(self) -> str:
         scale, unit = (1000.0, "ms") if self.unit == "s" else (1.0, self.unit)
-        shown = ", ".join(f"{scale * s:.0f}" for s in self.samples)
+        fmt = ".0f" if self.unit == "s" else ".3g"   # ratios and rates keep their digits
+        shown = ", ".join(f"{scale * s:{fmt}}" for s in self.samples)
         verdict = ("stable" if self.stable else
                    f"NOT stable (more than {100 * self.tolerance:.0f} % apart): rates and objectives "
                    "scaled from it are approximate")
-        text = (f"{self.name}: median {scale * self.median:.0f} {unit} of the last {len(self.kept)} "
+        text = (f"{self.name}: median {scale * self.median:{fmt}} {unit} of the last {len(self.kept)} "
                 f"runs (all runs: {shown} {unit}), spread {100 * self.spread:.0f} %, {verdict}")
         return text + (f"; {self.load.describe()}" if self.load is not None else "")
 
@@ -200,15 +201,20 @@ def warm(llm, prompt_tokens: Sequence[int] | None = None, batch_sizes: Sequence[
     batches = sorted({max(1, min(int(b), int(cfg.max_num_seqs))) for b in (batch_sizes or (1, cfg.max_num_seqs))})
     params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    for n in prompts:  # twice: the second run of a shape is the one that is known to be warm
-        for _ in range(2):
-            llm.generate([{"prompt_token_ids": _ids(n)}], params, use_tqdm=False)
+    # Each prompt twice (the second run of a shape is the one known to be warm), and every prompt
+    # different from the others: with prefix caching on, a repeat would be a cache hit, not a prefill.
+    for j, n in enumerate(prompts):
+        for r in range(2):
+            llm.generate([{"prompt_token_ids": _ids(n, offset=1 + 2 * j + r)}], params, use_tqdm=False)
     for b in batches:
-        llm.generate([{"prompt_token_ids": _ids(8, offset=i)} for i in range(b)], params, use_tqdm=False)
+        first = 1 + 2 * len(prompts) + b
+        llm.generate([{"prompt_token_ids": _ids(8, offset=first + i)} for i in range(b)], params,
+                     use_tqdm=False)
     return WarmUp(prompts, batches, time.perf_counter() - t0)
 
 
 def _ids(n: int, offset: int = 0) -> list[int]:
-    """``n`` token ids of ordinary vocabulary (ids 1000 and up), different per ``offset``: runs of
-    consecutive ids that no lab prompt (real text) shares, so they never become its cache hits."""
-    return [1000 + (offset * 7 + k) % 3000 for k in range(n)]
+    """``n`` token ids of ordinary vocabulary (ids 1000 to 3999); the first id differs per
+    ``offset``, so prompts of different offsets share no cached block. Runs of consecutive ids
+    that no lab prompt (real text) shares, so they never become its cache hits either."""
+    return [1000 + (offset * 37 + k) % 3000 for k in range(n)]

@@ -49,6 +49,7 @@ class Lesson:
     shown: bool
     evidence: str
     causes: list[str] = field(default_factory=list)
+    timing: bool = True     # False: a lesson on counts or model outputs, which load cannot move
 
     @property
     def lab(self) -> str:
@@ -60,6 +61,10 @@ class Lesson:
         head = f"Lesson NOT shown in this run: {self.claim}. What this run measured: {self.evidence}."
         if self.causes:
             return f"{head} Likely cause: {'; '.join(self.causes)}. {CLEAN_RUN}"
+        if not self.timing:
+            return (f"{head} This is a count, not a timing, so a busy machine does not explain it: "
+                    "the engine or the settings above may have changed. Please report it with this "
+                    "notebook's output.")
         return (f"{head} No measured cause: the machine was quiet and no calibration was unstable, so "
                 "noise does not explain it; the engine or the settings above may have changed. "
                 "Please report it with this notebook's output.")
@@ -82,15 +87,17 @@ def causes_of(load: Load | None = None, calibration: Calibration | None = None,
 
 def lesson(key: str, claim: str, *, shown: bool, evidence: str, load: Load | None = None,
            calibration: Calibration | None = None, causes: list[str] | None = None,
-           echo: bool = True, directory=None) -> Lesson:
+           timing: bool = True, echo: bool = True, directory=None) -> Lesson:
     """Check one lesson, print what the run showed, and record it (see the module docstring).
     ``causes`` adds reasons the notebook measured itself (e.g. "two of five sweep points were
-    slower than the calibration")."""
-    if load is None and _run["probe"] is not None:
+    slower than the calibration"). ``timing=False`` marks a lesson on counts or model outputs,
+    which a busy machine cannot explain away: the load is then neither looked up nor blamed."""
+    if timing and load is None and _run["probe"] is not None:
         load = _run["probe"].peek()   # no window given: the load since lab.setup()
+    measured = causes_of(load if timing else None, calibration, causes)
     result = Lesson(key=key, claim=claim, shown=bool(shown), evidence=evidence.rstrip(". "),
-                    causes=[] if shown else causes_of(load, calibration, causes))
-    if not shown and not result.causes and (load is None or load.others_cores is None):
+                    causes=[] if shown else measured, timing=timing)
+    if timing and not shown and not result.causes and (load is None or load.others_cores is None):
         result.causes = ["the load from other processes could not be measured here"]
     if echo:
         print(result.text())
