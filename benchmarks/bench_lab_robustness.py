@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -176,16 +175,6 @@ def verdicts(rows: list[dict]) -> list[str]:
     return misses
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--labs", nargs="*", help="two-digit lab numbers (default: every lab)")
@@ -201,10 +190,11 @@ def main() -> None:
         ap.error(f"no lab notebooks match --labs {args.labs}")
     args.out.mkdir(parents=True, exist_ok=True)
     started = datetime.now().isoformat(timespec="seconds")
+    from minserve.plan.probe import cpu_model
     rows = run_all(notebooks, args.runs, args.conditions, args.out, args.timeout)
     md = table(rows, args.conditions)
     misses = verdicts(rows)
-    doc = {"started": started, "machine": cpu_model(),
+    doc = {"started": started, "machine": cpu_model(),  # minserve.plan.probe: the name /proc/cpuinfo gives
            "cpus": os.cpu_count(), "runs": args.runs, "conditions": args.conditions, "rows": rows,
            "misses": misses}
     (args.out / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
