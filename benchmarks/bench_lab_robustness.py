@@ -113,8 +113,9 @@ def run_all(notebooks, runs: int, conditions: list[str], out: Path, timeout_s: i
                 lessons = lessons_of(results_dir, lab, before)
                 # The probe above counts the notebook's own kernel (another process) as load; the
                 # notebook measures the others itself: its last lesson's load, since lab.setup().
-                if lessons and lessons[-1].get("load"):
-                    r["load"] = lessons[-1]["load"]
+                measured = [x["load"] for x in lessons if x.get("load")]   # timing lessons carry one
+                if measured:
+                    r["load"] = measured[-1]
                 row = {"lab": lab, "notebook": nb.name, "condition": cond, "run": rep, **r,
                        "lessons": [{"key": x["key"], "claim": x["claim"], "shown": x["shown"],
                                     "explained": bool(x["causes"])} for x in lessons]}
