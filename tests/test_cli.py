@@ -1,5 +1,7 @@
 """The `minserve` command dispatches to its subcommands and reports misuse with exit code 2."""
 
+import pytest
+
 from minserve.cli import main
 
 
@@ -55,7 +57,8 @@ def test_every_engine_config_field_has_a_serve_flag():
         assert "--" + name.replace("_", "-") in flags[name].option_strings, name
         assert flags[name].default is None and flags[name].help, name
     assert isinstance(flags["adaptive_threads"], argparse.BooleanOptionalAction)
-    assert flags["model"].default == EngineConfig.model
+    from minserve.server.cli import parse_args
+    assert parse_args([]).model == EngineConfig.model   # MODEL / --model default to the engine's
     args = parser.parse_args(["--max-step-records", "9", "--no-adaptive-threads", "--disable-log-stats",
                               "--dtype", "bfloat16", "--device", "cpu", "--block-size", "32"])
     assert engine_kwargs(args) == {"max_step_records": 9, "adaptive_threads": False,
@@ -86,3 +89,15 @@ def test_a_new_engine_config_field_gets_its_flag(monkeypatch):
     assert serve_cli.engine_kwargs(args) == {"new_knob": 3, "new_switch": True, "new_mode": "b"}
     flags = {a.dest: a for a in serve_cli.build_parser()._actions}
     assert tuple(flags["new_mode"].choices) == ("a", "b") and flags["new_knob"].type is int
+
+
+def test_serve_takes_the_model_as_vllm_does():
+    """`vllm serve MODEL`: the model as a positional argument (issue 20, item 9); --model still works,
+    and giving two different models is refused."""
+    from minserve.server.cli import DEFAULT_MODEL, parse_args
+    assert parse_args(["tiny-llama", "--max-num-seqs", "4"]).model == "tiny-llama"
+    assert parse_args(["--model", "tiny-llama"]).model == "tiny-llama"
+    assert parse_args(["tiny-llama", "--model", "tiny-llama"]).model == "tiny-llama"
+    assert parse_args([]).model == DEFAULT_MODEL
+    with pytest.raises(SystemExit):
+        parse_args(["tiny-llama", "--model", "smollm2-135m"])

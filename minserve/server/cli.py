@@ -31,7 +31,10 @@ FLUSH_S = 2.0  # after the drain timeout: how long failed streams get to send th
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="minserve serve", description="OpenAI-compatible server.")
-    ap.add_argument("--model", default="smollm2-135m")
+    # `minserve serve MODEL`, as `vllm serve MODEL`; --model stays for older scripts.
+    ap.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                    help=f"the model to serve (default {DEFAULT_MODEL})")
+    ap.add_argument("--model", default=None, help="the same as MODEL (give one of the two)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
@@ -215,8 +218,21 @@ def make_server(app, host: str, port: int, drain_timeout_s: float, log_level: st
     return DrainingServer(config)
 
 
+DEFAULT_MODEL = EngineConfig.model
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed flags, with ``model`` resolved from MODEL or --model (a conflict is an error)."""
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    if a.model_tag and a.model and a.model_tag != a.model:
+        ap.error(f"the model is given twice: MODEL {a.model_tag!r} and --model {a.model!r}; give one")
+    a.model = a.model_tag or a.model or DEFAULT_MODEL
+    return a
+
+
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    a = parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     from minserve.engine.llm_engine import LLMEngine
     from minserve.server.app import create_app
