@@ -31,9 +31,9 @@
 #    orders — one order gives the short question a *slow start*, the other a *slow generation*;
 # 4. why a latency distribution tells more than its average.
 #
-# **Run time:** about 1 minute quiet, up to 2 minutes on a busy machine (measured on a 2-core CPU
-# in the `quick` preset, the default: 1.1 min quiet, 1.4-1.8 min with other programs taking up to
-# a core). The `full` preset (`MINSERVE_LAB_PRESET=full`) uses prompts up to 8000 tokens and
+# **Run time:** about 1 minute quiet, up to 2.5 minutes on a busy machine (measured on a 2-core CPU
+# in the `quick` preset, the default, by `benchmarks/bench_lab_robustness.py`: 1.1-1.2 min quiet,
+# 2.1 min with another process holding one of the two cores). The `full` preset (`MINSERVE_LAB_PRESET=full`) uses prompts up to 8000 tokens and
 # batches up to 64, sized for a GPU box; it has not been timed on one yet. The last cell prints
 # how long this run took, how busy the machine was, and which of the lab's lessons this run showed.
 #

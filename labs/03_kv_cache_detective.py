@@ -41,9 +41,9 @@
 # timed, so they hold on a busy machine too; each is checked on this run's numbers in a line
 # starting "Lesson shown" or "Lesson NOT shown in this run", and the last cell sums them up.
 #
-# **Run time** (`quick` preset, the default, on a 2-core laptop CPU): about 15 s on a quiet
-# machine, up to 30 s on a busy one (measured: 12 s quiet, 30 s with another program holding one
-# of the two cores), plus loading the model the first time. The `full` preset
+# **Run time** (`quick` preset, the default, on a 2-core laptop CPU): about 20 s on a quiet
+# machine, up to 40 s on a busy one (measured by `benchmarks/bench_lab_robustness.py`: 19-24 s
+# quiet, 33-35 s with another process holding one of the two cores), plus loading the model the first time. The `full` preset
 # (`MINSERVE_LAB_PRESET=full`) uses 8 times longer prompts and a larger budget, sized for a GPU;
 # its run time there has not been measured yet.
 #
