@@ -34,10 +34,12 @@ seconds per decode step and output tokens a decoding request gains per step (1 w
 speculative decoding), are exponentially weighted moving averages of recent engine steps
 (:meth:`AdmissionController.observe_step`), starting from configured priors.
 
-After admission the deadline still holds: a request still queued when it passes is aborted before
-it runs (async_engine.py enforces it on the engine thread), its client gets 504
-``deadline_exceeded``, and :meth:`AdmissionController.record_expired` counts it. A request already
-running is left to finish: its seat and its prefill are paid for.
+After admission the deadline still holds, in every state: a request still queued, running, or
+preempted and waiting to recompute when its deadline passes is aborted (async_engine.py enforces
+it on the engine thread, so its KV blocks go back to the pool at once), its client gets 504
+``deadline_exceeded`` (an error event on a stream already under way), and
+:meth:`AdmissionController.record_expired` counts it. An answer past its deadline is worth
+nothing to the client that set it, and every further step it took would be taken from others.
 
 The controller is pure logic (no HTTP, no engine), guarded by one lock because the HTTP loop
 admits and releases while the engine thread reports started requests and step times.
@@ -46,12 +48,15 @@ admits and releases while the engine thread reports started requests and step ti
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import threading
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from minserve.server import deadlines
+
+log = logging.getLogger("minserve.server")
 
 INTERACTIVE, BATCH = "interactive", "batch"
 PRIORITY_CLASSES = (INTERACTIVE, BATCH)
@@ -239,15 +244,19 @@ class AdmissionController:
                    limits.max_queued_kv_bytes, "predicted KV bytes"))
         for reason, queued, need, limit, unit in checks:
             if limit is not None and queued + need > limit:
-                return Decision(False, reason, 429, f"the {t.priority_class} queue holds {queued} "
-                                f"{unit}; adding {need} would pass its limit of {limit}",
+                # The message names the limit and this request's own size, never how much other
+                # tenants have queued: a 429 must not be a probe of the others' load.
+                return Decision(False, reason, 429, f"the {t.priority_class} queue is full: this "
+                                f"request's {need} {unit} do not fit its limit of {limit}",
                                 self._retry_after())
         predicted = self._predict_locked(t)
         if t.deadline_s is not None and t.waited_s + predicted > t.deadline_s:
             spent = f" after {t.waited_s * 1000:.0f} ms spent preparing it" if t.waited_s >= 0.001 else ""
+            # The prediction is this request's own answer; the work ahead behind it (how many
+            # requests others run or queue) is not told to the client (logged at debug level).
+            log.debug("deadline shed: %d running, %d queued ahead", len(self._running), len(self._waiting))
             return Decision(False, "deadline", 429, f"predicted completion in {predicted * 1000:.0f} ms"
-                            f"{spent} misses the deadline of {t.deadline_s * 1000:.0f} ms (work ahead: "
-                            f"{len(self._running)} running, {len(self._waiting)} queued)",
+                            f"{spent} misses the deadline of {t.deadline_s * 1000:.0f} ms",
                             self._retry_after(), predicted)
         return Decision(True, predicted_s=predicted)
 
@@ -347,7 +356,7 @@ class AdmissionController:
             self._running = list(work)
 
     def record_expired(self, t: Ticket) -> None:
-        """A queued request's deadline passed before the engine started it; it was aborted."""
+        """A request's deadline passed before its answer was complete; it was aborted."""
         if self._metrics is not None:
             self._metrics.deadline_expired[t.priority_class].inc()
 
@@ -400,7 +409,7 @@ class _AdmissionMetrics:
                     "Prompt + max_tokens of admitted requests not yet scheduled.",
                     ["priority_class"], registry=registry)
         expired = Counter("minserve:admission_deadline_expired",
-                          "Admitted requests aborted because their deadline passed while queued.",
+                          "Admitted requests aborted because their deadline passed (queued, running or preempted).",
                           ["priority_class"], registry=registry)
         # Children created up front so every series is exported (at 0) before the first event.
         self.deadline_expired = {c: expired.labels(c) for c in PRIORITY_CLASSES}

@@ -11,15 +11,20 @@ the engine thread never awaits a handler, and a handler never waits for a step t
 Failure policy (DESIGN: "nothing lost, clear errors"):
 - ``add_request`` raising fails that one request (ValueError -> 400, anything else -> 500).
 - a request failing inside a step: the engine fails it alone and lists it, with its reason, in
-  ``engine.last_step_failures``; its client gets a 500 with that reason, the others in the step
-  carry on.
+  ``engine.last_step_failures``; its client gets that reason, the others in the step carry on. The
+  status is 400 ``unsatisfiable_constraints`` when the failure is the request's own doing (its
+  constraints left no token to sample, ``engine.last_step_client_errors``), 500 otherwise.
 - ``step()`` raising: the requests it listed as failed before raising get their own reasons; any
   other request the engine no longer holds (retired in that step, its outputs lost with it) gets
   the step's error; if there is neither (it raised before failing or retiring anyone, e.g. in the
   scheduler), every request the engine holds is aborted and its client told, rather than the same
   step failing forever. The loop goes on.
-- a request still queued (never scheduled) when its deadline passes is aborted before it runs and
-  its client gets 504 ``deadline_exceeded`` (admission.py predicted it in time; it was not).
+- a request whose deadline passes before it is done, queued, running or preempted, is aborted (its
+  KV blocks are freed at once) and its client gets 504 ``deadline_exceeded`` (admission.py
+  predicted it in time; it was not).
+- a request the engine no longer holds but whose client never got a final output (nothing should
+  do that; the sweep after every step is the guarantee) gets a 500: a stream ends with an error
+  event, it never waits forever.
 - :meth:`AsyncEngine.fail_all` (the drain timeout ran out, cli.py) aborts everything in flight and
   tells each client why, so streams end with an error event and ``[DONE]``, not a cut.
 - anything else escaping the loop marks the engine dead (``/health`` turns 503) and fails every
@@ -64,7 +69,7 @@ class _Sink:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     on_started: Callable[[], None] | None
-    deadline_at: float | None = None                  # time.monotonic(); enforced while queued
+    deadline_at: float | None = None                  # time.monotonic(); enforced until it ends
     on_expired: Callable[[], None] | None = None
     started: bool = False
 
@@ -173,7 +178,7 @@ class AsyncEngine:
                 # so the wait below cannot sleep through it.
                 self._wake.clear()
                 self._drain_inbox()
-                self._expire_queued()
+                self._expire()
                 if not self.engine.has_unfinished_requests():
                     self._publish_idle()
                     self._wake.wait()
@@ -203,7 +208,10 @@ class AsyncEngine:
                 self._fail_all(cmd.failure)
             else:
                 self.engine.abort_request(cmd.request_id)
-                self._sinks.pop(cmd.request_id, None)
+                self._deadlines.pop(cmd.request_id, None)
+                sink = self._sinks.pop(cmd.request_id, None)
+                if sink is not None:  # whoever reads it (nobody, when its client left) is told
+                    sink.put(RequestFailed("the request was aborted", 499, "aborted"))
 
     def _add(self, cmd: _Add) -> None:
         try:
@@ -236,6 +244,10 @@ class AsyncEngine:
             sink.put(out)
             if out.finished:
                 del self._sinks[out.request_id]
+                self._deadlines.pop(out.request_id, None)
+        for rid in self._orphans():
+            log.error("request %s left the engine without a final output", rid)
+            self._fail(rid, RequestFailed("the engine ended this request without an answer", 500))
         after = self.engine.last_step_stats
         if self.on_step is not None and after is not None and after is not before:
             _guarded(self.on_step, after)
@@ -248,24 +260,29 @@ class AsyncEngine:
             sink = self._sinks.get(rid)
             if sink is not None:
                 sink.mark_started()
-                self._deadlines.pop(rid, None)  # a started request runs to the end
 
-    def _expire_queued(self) -> None:
-        """Abort the requests whose deadline passed before the scheduler ever ran them: their
-        answers would come too late to matter, and their seats are better spent on others."""
+    def _orphans(self) -> list[str]:
+        # A request with n > 1 is live while any sample is (its id stays in engine.parents).
+        live = self.engine.requests.keys() | getattr(self.engine, "parents", {}).keys()
+        return [rid for rid in self._sinks if rid not in live]
+
+    def _expire(self) -> None:
+        """Abort the requests whose deadline passed, whatever their state: the answer would come
+        too late to matter, and the seat, the KV blocks and the steps are better spent on others.
+        Checked before every step, so a request overruns its deadline by at most one step."""
         if not self._deadlines:
             return
         now = time.monotonic()
         for rid in [rid for rid, at in self._deadlines.items() if at <= now]:
             del self._deadlines[rid]
-            sink = self._sinks.get(rid)
-            if sink is None or sink.started:
+            sink = self._sinks.pop(rid, None)
+            if sink is None:
                 continue  # already ended (finished, aborted by its client)
-            del self._sinks[rid]
             self.engine.abort_request(rid)
-            sink.put(RequestFailed("deadline exceeded: the request was still waiting for a seat in "
-                                   "the engine when its deadline (x-deadline-ms / deadline_ms) passed, "
-                                   "so it was aborted before it ran", 504, "deadline_exceeded"))
+            where = ("while it ran (or waited, preempted, to run again)" if sink.started
+                     else "while it still waited for a seat in the engine")
+            sink.put(RequestFailed(f"deadline exceeded: the deadline (x-deadline-ms / deadline_ms) "
+                                   f"passed {where}, so it was aborted", 504, "deadline_exceeded"))
             if sink.on_expired is not None:
                 _guarded(sink.on_expired)
 
@@ -294,17 +311,19 @@ class AsyncEngine:
     def _fail_listed(self) -> None:
         """Tell the clients of the requests the engine failed alone in its last step, each with
         its own reason (``engine.last_step_failures``)."""
+        own = getattr(self.engine, "last_step_client_errors", ())
         for rid, why in self.engine.last_step_failures.items():
-            if rid in self._sinks:
+            if rid in own and rid in self._sinks:  # its own constraints: a client error
+                self._fail(rid, RequestFailed(f"the request cannot be completed: {why}", 400,
+                                              "unsatisfiable_constraints"))
+            elif rid in self._sinks:
                 self._fail(rid, RequestFailed(f"the request failed in the engine: {why}", 500))
 
     def _fail_after_raise(self, message: str) -> None:
         """After ``step()`` raised (module docstring): the failures it listed, then the requests
         it retired without a word, else everything."""
         self._fail_listed()
-        # A request with n > 1 is live while any sample is (its id stays in engine.parents).
-        live = self.engine.requests.keys() | getattr(self.engine, "parents", {}).keys()
-        gone = [rid for rid in self._sinks if rid not in live]
+        gone = self._orphans()
         if not self.engine.last_step_failures and not gone:
             # Nothing recorded, nobody retired (e.g. the scheduler raised): abort everything
             # rather than fail the same step forever.

@@ -50,6 +50,8 @@ class Prepared:
     echo_only: bool = False            # echo with max_tokens=0: the prompt, no completion text
     continuous_usage: bool = False     # usage on every stream chunk (vLLM's continuous_usage_stats)
     chat_reply: ChatReply | None = None  # chat: tool calls and echo in the message (tool_parsers/)
+    # The engine's key for this request, made here and never shown: see engine_request_ids.
+    engine_key: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self) -> None:
         self.prompts = self.prompts or [self.prompt_ids]
@@ -60,10 +62,16 @@ class Prepared:
         return self.params.n
 
     def engine_request_ids(self) -> list[str]:
-        """One id per prompt: the response id itself for one prompt, suffixed for a batch (vLLM)."""
+        """One engine id per prompt, made by the server: the response id (which the client may
+        choose, vLLM's ``request_id`` field) plus a random key, suffixed per prompt for a batch.
+        The client's id is only a label on the response: two requests, of one tenant or of two,
+        may send the same one, and neither can abort, observe or be refused because of the other
+        (the engine keys requests by id, so a client-chosen key let tenant B abort tenant A's
+        stream, and its "already in use" told B which ids were in flight)."""
+        base = f"{self.request_id}@{self.engine_key}"
         if len(self.prompts) == 1:
-            return [self.request_id]
-        return [f"{self.request_id}-{i}" for i in range(len(self.prompts))]
+            return [base]
+        return [f"{base}-{i}" for i in range(len(self.prompts))]
 
 
 def prepare(body, kind: str, engine, model_name: str, limits: RequestLimits | None = None,
