@@ -269,6 +269,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # Token ids of each bad word (vLLM's name), filled by the engine from its tokenizer.
     _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
+    # The logits controls in the form a step uses (engine/penalties.py PreparedControls), built once
+    # by LLMEngine.prepare_params / add_request. An init field, so that dataclasses.replace copies
+    # it (add_request then checks that the copy's values still match before trusting it).
+    _prepared: object = field(default=None, repr=False, compare=False, kw_only=True)
 
     def __post_init__(self) -> None:
         self._check_sampling()

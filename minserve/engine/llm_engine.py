@@ -4,6 +4,10 @@ One ``step()`` is one iteration of continuous batching: the scheduler picks the 
 runner computes it and samples, the output processor appends tokens and checks stop conditions,
 finished requests give their KV blocks back, and the step's outputs (incremental, so a notebook can
 stream them) are returned together with a :class:`StepStats` record.
+
+What a request asks for is checked and prepared before it is queued (:meth:`LLMEngine.prepare_params`:
+bad words tokenized, grammars compiled, logits controls turned into tensors), so that a step never
+pays for one request's preparation; a server calls it on its own threads.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from minserve.engine.model_runner import ModelRunner
 from minserve.engine.output_processor import OutputProcessor
 from minserve.engine.parallel_sampling import ParentRequest, fan_out
 from minserve.engine.inputs import check_cache_salt, check_params, prepare_logits_controls, prompt_ids
+from minserve.engine.penalties import PreparedControls
 from minserve.engine.request import Request, RequestRecord, RequestStatus
 from minserve.engine.sampler import make_generator
 from minserve.engine.scheduler import Scheduler
@@ -67,6 +72,11 @@ class LLMEngine:
             # KV slots for the next step's proposals are reserved with each step's own.
             self.scheduler.num_lookahead_tokens = config.speculative_config.num_speculative_tokens
         self.last_step_failures: dict[str, str] = {}
+        # Of those, the requests that failed for what they asked (constraints that left nothing to
+        # sample), not for an engine fault: a server answers them 400 (unsatisfiable_constraints).
+        self.last_step_client_errors: set[str] = set()
+        # Marks the SamplingParams this engine prepared (PreparedControls.owner).
+        self._prepared_key = object()
         self.start_s = time.perf_counter()
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len,
                                                 time.time() - time.perf_counter())
@@ -120,6 +130,31 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
 
+    def prepare_params(self, params: SamplingParams) -> None:
+        """Check ``params`` and do, now and on the calling thread, the per-request work a step
+        must not do: tokenize ``bad_words``, compile ``structured_outputs`` (cached), build the
+        ``allowed_token_ids`` mask and the ``logit_bias`` tensors. ValueError naming the field
+        first when a value is refused (``check_params``'s checks included).
+
+        Thread-safe (it reads the engine and writes only ``params``; the grammar cache locks) and
+        idempotent. The result is kept on ``params``, marked as this engine's, so ``add_request``
+        does not redo it; copies keep it (``clone``, ``dataclasses.replace``: add_request checks
+        the copy's values first). Changing a list of ``params`` in place after preparing it is not
+        seen: prepare after the last change. ``add_request`` prepares unprepared params itself."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        vocab = self.model_config.vocab_size
+        check_params(params, vocab, self.eos_token_ids)
+        prepare_logits_controls(params, vocab, self.tokenizer, self.grammar, self.eos_token_ids,
+                                self.runner.device, owner=self._prepared_key)
+
+    def _was_prepared(self, params: SamplingParams) -> bool:
+        """``params`` (or the object it was copied from) went through prepare_params here, with
+        the values it has now; then it is made ready to step (its copy's own fields bound)."""
+        rec = params._prepared
+        return (isinstance(rec, PreparedControls) and rec.owner is self._prepared_key
+                and rec.vocab_size == self.model_config.vocab_size and rec.adopt(params))
+
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None,
                     priority: int = 0) -> None:
@@ -136,8 +171,8 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        check_params(params, self.model_config.vocab_size, self.eos_token_ids)
-        prepare_logits_controls(params, self.model_config.vocab_size, self.tokenizer, self.grammar)
+        if not self._was_prepared(params):
+            self.prepare_params(params)
         text, ids = prompt_ids(prompt, self.tokenizer, self.model_config.vocab_size)
         self._check_prompt_fits(len(ids))
         room = self.max_model_len - len(ids)
@@ -192,6 +227,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         preempted_before = self.scheduler.num_preemptions
         self.last_step_failures = {}
+        self.last_step_client_errors = set()
         if self.proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()
@@ -204,7 +240,8 @@ class LLMEngine:
             if finished:
                 self.metrics.record_step(self._record_step(t0, sched, 0), [], finished)
             return outputs
-        update = self.scheduler.update_from_output(sched, self._execute(sched), self._append_tokens)
+        ran = self._execute(sched)
+        update = self.scheduler.update_from_output(sched, ran, self._append_tokens)
         for req, status in update.finished:
             self._retire(req, status)
             finished.append(req)
@@ -216,7 +253,7 @@ class LLMEngine:
                 failed.append((req, f"{type(e).__name__}: {e}"))
         self._parent_outputs(update, outputs, failed)
         for req, why in failed:
-            self._fail(req, why, outputs, finished)
+            self._fail(req, why, outputs, finished, client=req.request_id in ran.client_errors)
         stats = self._record_step(t0, sched, self.scheduler.num_preemptions - preempted_before,
                                   update.num_accepted_spec_tokens)
         self.metrics.record_step(stats, [(r, n) for r, n in update.appended if r.error is None], finished)
@@ -243,13 +280,16 @@ class LLMEngine:
             req.spec_token_ids = list(spec)
 
     def _execute(self, sched) -> ModelRunnerOutput:
-        """Run the step. If it raises, find out whose fault it is: rerun each request alone
-        (writing the same K/V into the same slots again is harmless, and seeded generators are
-        rewound first, so a retried request samples exactly what it would have)."""
+        """Run the step. A request whose constraints leave nothing to sample comes back in the
+        output's ``errors`` with the others' tokens beside it (the runner isolates it). If the step
+        raises, find out whose fault it is: rerun each request alone (writing the same K/V into
+        the same slots again is harmless, and seeded generators are rewound first, so a retried
+        request samples exactly what it would have). That costs the step's neighbours one
+        serial pass, so it is kept for faults nothing could foresee."""
         rngs = {r.request_id: r.generator.get_state() for s in sched.scheduled if s.samples
                 for r in (s.request, *s.forks) if r.generator is not None}
         try:
-            return ModelRunnerOutput(self.runner.execute(sched, self.kv))
+            return _runner_output(self.runner.execute(sched, self.kv))
         except Exception as e:
             if len(sched.scheduled) == 1:
                 return ModelRunnerOutput(errors={sched.scheduled[0].request.request_id: f"{type(e).__name__}: {e}"})
@@ -262,9 +302,13 @@ class LLMEngine:
                 if r.request_id in rngs:
                     r.generator.set_state(rngs[r.request_id])
             try:
-                out.sampled.update(self.runner.execute(SchedulerOutput(scheduled=[s]), self.kv))
+                alone = _runner_output(self.runner.execute(SchedulerOutput(scheduled=[s]), self.kv))
             except Exception as e:
                 out.errors[rid] = f"{type(e).__name__}: {e}"
+                continue
+            out.sampled.update(alone.sampled)
+            out.errors.update(alone.errors)
+            out.client_errors |= alone.client_errors
         return out
 
     def _append_tokens(self, req: Request, tokens: list) -> tuple[int, RequestStatus | None]:
@@ -298,11 +342,15 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
 
-    def _fail(self, req: Request, why: str, outputs: list, finished: list) -> None:
-        log.warning("request %s failed: %s", req.request_id, why)
+    def _fail(self, req: Request, why: str, outputs: list, finished: list, client: bool = False) -> None:
+        """Fail ``req`` alone; ``client``: for its own contradictory constraints (see
+        last_step_client_errors), logged at info level, since the engine is not at fault."""
+        (log.info if client else log.warning)("request %s failed: %s", req.request_id, why)
         req.error = why
         rid = req.request_id if req.parent is None else req.parent.request_id
         self.last_step_failures[rid] = why
+        if client:
+            self.last_step_client_errors.add(rid)
         if req.finished:  # it failed while building its last output: already retired
             req.status = RequestStatus.FINISHED_ERROR
             if self._records and self._records[-1].request_id == req.request_id:
@@ -383,6 +431,11 @@ class LLMEngine:
         if out:
             out.update(self.metrics.spec.by_position())
         return out
+
+
+def _runner_output(out) -> ModelRunnerOutput:
+    """A runner's result; a stand-in runner (a test's) may return the bare ``sampled`` dict."""
+    return out if isinstance(out, ModelRunnerOutput) else ModelRunnerOutput(out)
 
 
 def model_fingerprint(loaded: LoadedModel, dtype: str, quantization: str = "none",

@@ -32,7 +32,7 @@ from minserve.engine.kv_cache import KVCacheManager, KVCacheSpec, LayerKV, alloc
 from minserve.engine.memory import DeviceMemory, DeviceMemoryReader, measure_device_memory, snapshot
 from minserve.engine.penalties import needs_output_ids
 from minserve.engine.sampler import Sampler, SamplingBatch
-from minserve.engine.step_io import SampledToken, SchedulerOutput
+from minserve.engine.step_io import ModelRunnerOutput, SampledToken, SchedulerOutput
 from minserve.engine.threads import CpuLoadHint, ThreadController, adaptive_threads_enabled
 from minserve.kernels.build import KernelUnavailable
 from minserve.kernels.decode import FusedDecoder, unsupported_reason
@@ -153,8 +153,10 @@ class ModelRunner:
             sampler(logits, SamplingBatch([params] * n, [None] * n, [[] for _ in range(n)]))
             del logits
 
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> dict[str, list[SampledToken]]:
-        """Run the step; return, per request that samples, its accepted tokens (see step_io)."""
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
+        """Run the step; return, per request that samples, its accepted tokens (see step_io), and
+        the requests whose own constraints left a row with nothing to sample (``errors``, also in
+        ``client_errors``): those fail alone, the others keep this step's tokens."""
         tokens: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
@@ -207,12 +209,14 @@ class ModelRunner:
                 return backend
         raise AssertionError("the torch backend supports every step")
 
-    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> dict[str, list[SampledToken]]:
+    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> ModelRunnerOutput:
         """One draw per logits row (a verify step's k + 1 rows each use the request's own params
-        and generator, in order), then the proposals each request keeps (spec/verify.py)."""
+        and generator, in order), then the proposals each request keeps (spec/verify.py). A
+        request fails when a row its tokens come from had nothing to sample (Sampler's
+        ``failed_rows``); a verify row after the first rejection is never used, so it does not."""
         sampling = [s for s in sched.scheduled if s.samples]
         if not sampling:
-            return {}
+            return ModelRunnerOutput()
         reqs = [s.request for s in sampling for _ in range(s.num_logits_rows)]
         banned = [_banned_tokens(s.request, i) for s in sampling for i in range(s.num_logits_rows)]
         # Parallel sampling: samples forked off a request in this step each draw their first
@@ -230,7 +234,9 @@ class ModelRunner:
         # Rows that asked for no logprobs get None (the sampler gives them [] when others asked).
         drawn = [SampledToken(out.token_ids[i], out.logprobs[i] or None if out.logprobs is not None else None,
                               out.ranks[i] if out.ranks is not None else None) for i in range(len(reqs))]
-        result, row = {}, 0
+        result, row = ModelRunnerOutput(), 0
+        dead = out.failed_rows
+        fork_row = row_end = sum(s.num_logits_rows for s in sampling)
         for s in sampling:
             mine = drawn[row:row + s.num_logits_rows]
             row += s.num_logits_rows
@@ -239,16 +245,29 @@ class ModelRunner:
             if q is not None and not req.params.is_greedy:
                 # The target distribution includes the request's penalties and biases.
                 target = out.controlled_logits if out.controlled_logits is not None else logits
-                result[req.request_id] = verify_with_draft(
+                tokens = verify_with_draft(
                     target[row - s.num_logits_rows:row], req.params,
                     [_banned_tokens(req, i) for i in range(s.num_logits_rows)], s.spec_token_ids, q,
                     req.generator if req.generator is not None else self.sampler.default_generator,
                     raw=logits[row - s.num_logits_rows:row])
+            else:
+                keep = accept_one_hot(s.spec_token_ids, [t.token_id for t in mine]) if s.spec_token_ids else 1
+                tokens = mine[:keep]
+            # Its samples forked in this step drew from its last row: one of them failing fails
+            # the request (its samples are one answer; the engine aborts the others).
+            own = [row - s.num_logits_rows + j for j in range(len(tokens))]
+            own += range(fork_row, fork_row + len(s.forks))
+            fork_row += len(s.forks)
+            failed = next((r for r in own if r in dead), None)
+            if failed is None:
+                result.sampled[req.request_id] = tokens
                 continue
-            keep = accept_one_hot(s.spec_token_ids, [t.token_id for t in mine]) if s.spec_token_ids else 1
-            result[req.request_id] = mine[:keep]
+            at = len(req.output_token_ids) + (failed - (row - s.num_logits_rows) if failed < row_end else 0)
+            result.errors[req.request_id] = f"{dead[failed]} at output token {at}"
+            result.client_errors.add(req.request_id)
         for child, token in zip(forks, drawn[row:]):
-            result[child.request_id] = [token]
+            if child.parent is None or child.parent.request_id not in result.errors:
+                result.sampled[child.request_id] = [token]
         return result
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -7,7 +7,9 @@ operations follows vLLM V1:
    so they describe what the model thinks, not what the sampler was allowed to pick;
 2. the logits controls (engine/penalties.py: allowed ids, bad words, logit bias, penalties, the
    structured-output grammar mask) change a copy of the logits, for the rows that use them; a
-   batch where no row does pays one check per row and no copy;
+   batch where no row does pays one check per row and no copy. A row they leave with no token at
+   all is reported in ``SamplerOutput.failed_rows`` (its drawn token means nothing), and the rest
+   of the batch is sampled as usual: one request's contradictory constraints fail it alone;
 3. banned tokens (``min_tokens``: EOS and stop ids until enough tokens exist) are set to -inf;
 4. greedy rows take the argmax;
 5. random rows: divide by temperature, drop tokens below min-p, keep top-k, then top-p, then
@@ -70,6 +72,10 @@ class SamplerOutput:
     # The logits after the controls (penalties, biases, bans, grammar mask) when a row used one,
     # else None (the input is what was sampled from): the target distribution for verification.
     controlled_logits: torch.Tensor | None = None
+    # Rows whose logits controls left no token that may be sampled: row -> which controls (e.g.
+    # "allowed_token_ids and min_tokens together leave no token that may be sampled"). Their
+    # entry in ``token_ids`` is meaningless; the caller fails their requests.
+    failed_rows: dict[int, str] = field(default_factory=dict)
 
 
 def make_generator(params: SamplingParams,
@@ -100,8 +106,9 @@ class Sampler:
         raw = logits if logits.dtype == torch.float32 else logits.float()  # never modified below
         params, banned = batch.params, batch.banned_token_ids
         # A copy when some row uses a control (raw stays the model's: logprobs come from it).
+        failed: dict[int, str] = {}
         work = apply_logits_controls(raw, params, batch.output_token_ids, batch.prompt_token_ids,
-                                     batch.grammar_rows, batch.grammar_bitmask, banned)
+                                     batch.grammar_rows, batch.grammar_bitmask, banned, dead_rows=failed)
         greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
 
@@ -119,9 +126,11 @@ class Sampler:
         token_list = tokens.tolist()
         controlled = work if work is not raw else None
         if all(p.logprobs is None for p in params):
-            return SamplerOutput(token_ids=token_list, logprobs=None, ranks=None, controlled_logits=controlled)
+            return SamplerOutput(token_ids=token_list, logprobs=None, ranks=None, controlled_logits=controlled,
+                                 failed_rows=failed)
         logprobs, ranks = _gather_logprobs(raw, tokens, params)
-        return SamplerOutput(token_ids=token_list, logprobs=logprobs, ranks=ranks, controlled_logits=controlled)
+        return SamplerOutput(token_ids=token_list, logprobs=logprobs, ranks=ranks, controlled_logits=controlled,
+                             failed_rows=failed)
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> torch.Tensor:

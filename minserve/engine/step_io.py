@@ -90,8 +90,12 @@ class ModelRunnerOutput:
     # Per request that sampled: its accepted tokens in order (1 for a decode or the end of a
     # prefill; 1..k+1 for a verify step: the confirmed proposals, then the model's own token).
     sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
-    # Per request whose computation failed (the engine reran the step request by request).
+    # Per request whose computation failed: its own constraints left nothing to sample (the
+    # runner found it in the step), or the step raised and the engine reran it request by request.
     errors: dict[str, str] = field(default_factory=dict)
+    # Of ``errors``, the requests that failed because of what they asked for (contradictory
+    # constraints), not because of the engine: a server answers them 400, not 500.
+    client_errors: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -8,8 +8,10 @@ the schema's start took 0.016 ms (xgrammar, whose masks are precomputed per gram
 0.35 ms (llguidance), and xgrammar's fill + accept mid-schema ~8 us per token.
 benchmarks/bench_structured.py reports compile times and the per-step cost in the engine.
 
-Differences from vLLM: compilation happens synchronously in ``add_request`` (vLLM compiles in a
-thread pool while the request waits), so an invalid spec is a ValueError there; xgrammar has no
+Differences from vLLM: compilation happens before the request is queued, in
+``LLMEngine.prepare_params`` (the server calls it on its tokenizer threads, so a slow compile
+never holds up the engine's step) or in ``add_request`` for callers that did not; vLLM compiles in
+a thread pool while the request waits. So an invalid spec is a ValueError there. xgrammar has no
 ``whitespace_pattern``, so a request that sets it is refused rather than served without it.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from collections import OrderedDict
 
 import torch
@@ -98,9 +101,19 @@ class GrammarBackend:
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self.cache_hits = 0
         self.cache_misses = 0
+        # compile() runs on several threads at once (the server's tokenizer pool, the engine's):
+        # the lock guards the cache and counters only; a compile runs outside it, and a second
+        # thread asking for a spec being compiled waits for that compile instead of repeating it.
+        self._lock = threading.Lock()
+        self._compiler_lock = threading.Lock()
+        self._in_flight: dict[tuple, _Compile] = {}
 
     @property
     def compiler(self):
+        with self._compiler_lock:  # built once (~0.2 s), however many threads ask first
+            return self._build_compiler()
+
+    def _build_compiler(self):
         if self._compiler is None:
             xgr = _xgrammar()
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
@@ -116,16 +129,35 @@ class GrammarBackend:
             raise ValueError("structured_outputs.whitespace_pattern is not supported by the xgrammar "
                              "backend; use disable_any_whitespace=True for compact JSON")
         key = cache_key(spec)
-        if key in self._cache:
-            self.cache_hits += 1
-            self._cache.move_to_end(key)
-            return self._cache[key]
-        compiled = self._compile_uncached(*key)
-        self.cache_misses += 1
-        self._cache[key] = compiled
-        if len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
-        return compiled
+        with self._lock:
+            if key in self._cache:
+                self.cache_hits += 1
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            job = self._in_flight.get(key)
+            mine = job is None
+            if mine:
+                job = self._in_flight[key] = _Compile()
+                self.cache_misses += 1
+            else:
+                self.cache_hits += 1
+        if not mine:
+            return job.wait()
+        try:
+            job.result = self._compile_uncached(*key)
+        except BaseException as e:
+            job.error = e
+            raise
+        else:
+            with self._lock:
+                self._cache[key] = job.result
+                if len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+            return job.result
+        finally:
+            with self._lock:
+                del self._in_flight[key]
+            job.done.set()
 
     def _compile_uncached(self, kind: str, text: str, compact: bool):
         compiler = self.compiler
@@ -147,10 +179,18 @@ class GrammarBackend:
         holds one copied from another request (a parallel sample forked from a sibling)."""
         state = req.structured
         if state is None or state.request_id != req.request_id:
-            matcher = _xgrammar().GrammarMatcher(self.compile(req.params.structured_outputs))
+            matcher = _xgrammar().GrammarMatcher(self.compiled_for(req.params))
             state = req.structured = GrammarState(matcher, req.request_id)
         state.advance(req.output_token_ids)
         return state
+
+    def compiled_for(self, params):
+        """The grammar prepare_params compiled for ``params`` when it was this backend's (no
+        compile on the engine thread even if the cache has evicted it since), else compile()."""
+        prepared = getattr(getattr(params, "_prepared", None), "grammar", None)
+        if prepared is not None and prepared[0] is self:
+            return prepared[1]
+        return self.compile(params.structured_outputs)
 
     def fill_bitmask(self, requests: list) -> torch.Tensor:
         """Packed allowed-token bitmask [len(requests), ceil(vocab / 32)] int32, one row per
@@ -164,6 +204,23 @@ class GrammarBackend:
                 raise ValueError("structured_outputs: the grammar has already terminated")
             state.matcher.fill_next_token_bitmask(bitmask, row)
         return bitmask
+
+
+class _Compile:
+    """One compile in progress, for the threads that ask for the same spec meanwhile."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.result = None
+        self.error: BaseException | None = None
+
+    def wait(self):
+        self.done.wait()
+        if isinstance(self.error, ValueError):  # the spec's own fault: this caller's message too
+            raise ValueError(str(self.error)) from None
+        if self.error is not None:
+            raise RuntimeError(f"structured_outputs: compiling failed in another thread: {self.error!r}")
+        return self.result
 
 
 def choice_grammar(choices: list[str]) -> str:
