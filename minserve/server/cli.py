@@ -21,6 +21,8 @@ from dataclasses import MISSING, fields
 from minserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig
 from minserve.quant.schemes import QUANTIZATION_METHODS
 from minserve.server.admission import AdmissionConfig, ClassLimits
+from minserve.server.connections import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
+                                         DEFAULT_KEEP_ALIVE_S, ConnectionLimits, default_max_connections)
 from minserve.server.limits import CHARS_PER_TOKEN_BOUND, RequestLimits
 from minserve.server.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from minserve.server.tool_parsers.plan import ToolConfig
@@ -56,6 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--max-prompt-chars", type=int,
                      help=f"longer prompts (or message contents, summed) get 400 (default: "
                           f"max_model_len x {CHARS_PER_TOKEN_BOUND})")
+    conn = ap.add_argument_group("connections, below HTTP requests (README: Serving over HTTP)")
+    conn.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S, metavar="S",
+                      help="close a kept-alive connection idle this long (default: %(default)s s)")
+    conn.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+                      help="close a connection whose request head is not complete this long after "
+                           "it connected or got its last response (default: %(default)s s)")
+    conn.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
+                      help="close a connection whose request body is not complete this long after "
+                           "its head (default: %(default)s s)")
+    conn.add_argument("--max-connections", type=int, default=None, metavar="N",
+                      help="open connections at most; at the limit the oldest one without a complete "
+                           "request head is closed to let a new one in (default: the fd limit "
+                           f"less headroom, here {default_max_connections()})")
     tools = ap.add_argument_group("tool calls (README: Serving over HTTP)")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='let the model decide when to call tools (tool_choice="auto"); '
@@ -170,9 +185,20 @@ def request_limits(a: argparse.Namespace) -> RequestLimits:
     return RequestLimits(max_body_bytes=a.max_request_body_bytes, max_prompt_chars=a.max_prompt_chars)
 
 
-def make_server(app, host: str, port: int, drain_timeout_s: float, log_level: str = "info"):
-    """A uvicorn Server whose first exit signal drains before stopping (see module docstring)."""
+def connection_limits(a: argparse.Namespace) -> ConnectionLimits:
+    kw = {} if a.max_connections is None else {"max_connections": a.max_connections}
+    return ConnectionLimits(header_timeout_s=a.header_timeout, body_timeout_s=a.body_timeout,
+                            timeout_keep_alive_s=a.timeout_keep_alive, **kw)
+
+
+def make_server(app, host: str, port: int, drain_timeout_s: float, log_level: str = "info",
+                connections: ConnectionLimits | None = None):
+    """A uvicorn Server whose first exit signal drains before stopping (see module docstring),
+    speaking HTTP through the guarded protocol of connections.py (deadlines for request heads and
+    bodies, the connection limit) with ConnectionCloseMiddleware around the whole app."""
     import uvicorn
+
+    from minserve.server.connections import ConnectionCloseMiddleware, accept_backlog, protocol_class
 
     st = app.state.minserve
 
@@ -213,9 +239,14 @@ def make_server(app, host: str, port: int, drain_timeout_s: float, log_level: st
                     await asyncio.sleep(0.02)
             self.should_exit = True
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=5)
-    return DrainingServer(config)
+    limits = connections or ConnectionLimits()
+    config = uvicorn.Config(ConnectionCloseMiddleware(app), host=host, port=port, log_level=log_level,
+                            lifespan="on", timeout_graceful_shutdown=5, http=protocol_class(limits),
+                            timeout_keep_alive=limits.timeout_keep_alive_s,
+                            backlog=accept_backlog(limits.max_connections))
+    server = DrainingServer(config)
+    server.connection_guard = config.http.guard  # its counters: for tests and the drill
+    return server
 
 
 DEFAULT_MODEL = EngineConfig.model
@@ -238,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     from minserve.server.app import create_app
     try:
         auth = auth_config(a)  # first: a bad keys file should not wait for the model to load
+        connections = connection_limits(a)
         tools = ToolConfig(a.enable_auto_tool_choice, a.tool_call_parser)
         engine = LLMEngine.from_engine_args(a.model, **engine_kwargs(a))
         admission = admission_config(a)
@@ -247,7 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     app = create_app(engine, served_model_name=a.served_model_name, admission=admission, auth=auth,
                      limits=limits, tools=tools)
-    server = make_server(app, a.host, a.port, a.drain_timeout, a.log_level.lower())
+    server = make_server(app, a.host, a.port, a.drain_timeout, a.log_level.lower(), connections)
+    # After uvicorn.Config, which sets up uvicorn's log handlers: an fd-exhaustion flood (asyncio's
+    # accept errors, "Too many open files") must not fill the disk.
+    from minserve.server.connections import install_log_rate_limit
+    install_log_rate_limit()
     server.run()
     return 0
 
