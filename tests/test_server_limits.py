@@ -88,10 +88,20 @@ def chat(**message) -> dict:
     (CHAT_PATH, chat(content=[{"type": "text", "text": SURROGATE}]), "messages.0.content.0.text"),
     (CHAT_PATH, chat(name=SURROGATE), "messages.0.name"),
     (CHAT_PATH, chat(role=SURROGATE), "messages.0.role"),
+    # Inside free-form objects (issue 20 item 5: these were 500s), keys and values alike.
+    (CHAT_PATH, {**chat(), "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {SURROGATE: {"type": "string"}}}}}]},
+     f"tools.0.function.parameters.properties.{SURROGATE}"),
+    (CHAT_PATH, {**chat(), "chat_template_kwargs": {"x": [1, SURROGATE]}}, "chat_template_kwargs.x.1"),
+    (COMPLETIONS_PATH, {"prompt": PROMPT, "structured_outputs": {"json": {"enum": [SURROGATE]}}},
+     "structured_outputs.json.enum.0"),
+    ("/tokenize", {"prompt": SURROGATE}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": f"a{SURROGATE}"}]}, "messages.0.content"),
 ])
 def test_lone_surrogates_are_400_naming_the_field(server, path, body, param):
     base, _ = server
-    err = assert_error(post_raw(base, path, {"max_tokens": 2, **body}), 400, param)
+    extra = {} if path == "/tokenize" else {"max_tokens": 2}
+    err = assert_error(post_raw(base, path, {**extra, **body}), 400, param.encode("utf-8", "backslashreplace").decode())
     assert "surrogate" in err["message"] and err["message"].isascii()
 
 
@@ -167,6 +177,70 @@ def test_stop_strings_are_bounded(server):
     assert_error(post_raw(base, COMPLETIONS_PATH, {"prompt": PROMPT, "stop": long}), 400, "stop.1")
     ok = {"prompt": PROMPT, "max_tokens": 2, "stop": many[:limits.max_stop_strings]}
     assert post_raw(base, COMPLETIONS_PATH, ok).status_code == 200
+
+
+def over(limit: int, item=lambda i: f"w{i}") -> list:
+    return [item(i) for i in range(limit + 1)]
+
+
+# Issue 20 item 2: every list field is bounded (200 k bad words froze every stream for 10 s).
+@pytest.mark.parametrize("field, value, param, limit", [
+    ("bad_words", over(RequestLimits.max_bad_words), "bad_words", RequestLimits.max_bad_words),
+    ("bad_words", ["ok", "x" * (RequestLimits.max_bad_word_chars + 1)], "bad_words.1",
+     RequestLimits.max_bad_word_chars),
+    ("structured_outputs", {"choice": over(RequestLimits.max_choices)}, "structured_outputs.choice",
+     RequestLimits.max_choices),
+    ("structured_outputs", {"choice": ["a", "b" * (RequestLimits.max_choice_chars + 1)]},
+     "structured_outputs.choice.1", RequestLimits.max_choice_chars),
+    ("guided_choice", over(RequestLimits.max_choices), "guided_choice", RequestLimits.max_choices),
+])
+def test_list_fields_are_bounded_with_a_400_naming_field_and_limit(server, field, value, param, limit):
+    base, _ = server
+    err = assert_error(post_raw(base, COMPLETIONS_PATH, {"prompt": PROMPT, field: value}), 400, param)
+    assert str(limit) in err["message"]
+
+
+def test_token_id_lists_may_name_each_token_once_and_no_more(server):
+    base, engine = server
+    vocab = engine.model_config.vocab_size
+    for field, value in (("allowed_token_ids", list(range(vocab)) + [0]),
+                         ("stop_token_ids", [1] * (vocab + 1)),
+                         ("logit_bias", {str(t): 0.5 for t in range(vocab)} | {"00": 1.0})):
+        err = assert_error(post_raw(base, COMPLETIONS_PATH, {"prompt": PROMPT, field: value}), 400, field)
+        assert str(vocab) in err["message"], err
+    # The whole vocabulary once is a real use, and is served.
+    for field, value in (("allowed_token_ids", list(range(vocab))),
+                         ("logit_bias", {str(t): 0.5 for t in range(vocab)})):
+        r = post_raw(base, COMPLETIONS_PATH, {"prompt": PROMPT, "max_tokens": 2, field: value})
+        assert r.status_code == 200, r.text
+
+
+def test_tools_are_bounded(server):
+    base, _ = server
+    tools = over(RequestLimits.max_tools, lambda i: {"type": "function", "function": {"name": f"f{i}"}})
+    err = assert_error(post_raw(base, CHAT_PATH, {**chat(), "tools": tools}), 400, "tools")
+    assert str(RequestLimits.max_tools) in err["message"]
+
+
+# Issue 20 item 8: JSON booleans are not numbers (pydantic's lax mode took true as 1).
+@pytest.mark.parametrize("path, body, param", [
+    (COMPLETIONS_PATH, {"prompt": PROMPT, "max_tokens": True}, "max_tokens"),
+    (COMPLETIONS_PATH, {"prompt": PROMPT, "temperature": False}, "temperature"),
+    (COMPLETIONS_PATH, {"prompt": PROMPT, "n": True}, "n"),
+    (COMPLETIONS_PATH, {"prompt": PROMPT, "seed": False}, "seed"),
+    (COMPLETIONS_PATH, {"prompt": [True, False]}, "prompt"),
+    (COMPLETIONS_PATH, {"prompt": PROMPT, "allowed_token_ids": [True]}, "allowed_token_ids.0"),
+    (COMPLETIONS_PATH, {"prompt": PROMPT, "logit_bias": {"5": True}}, "logit_bias.5"),
+    (CHAT_PATH, {**chat(), "max_completion_tokens": True}, "max_completion_tokens"),
+    ("/detokenize", {"tokens": [True]}, "tokens.0"),
+])
+def test_booleans_are_refused_where_a_number_or_id_is_expected(server, path, body, param):
+    base, _ = server
+    r = post_raw(base, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"].split(".")[0] == param.split(".")[0] and param in err["message"], err
+    assert "bool" in err["message"] or "valid" in err["message"], err
 
 
 def test_health_answers_while_a_prompt_is_tokenized(server):

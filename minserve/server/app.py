@@ -37,6 +37,7 @@ from minserve.server.auth import PRINCIPAL_SCOPE_KEY, Auth, AuthMiddleware, effe
 from minserve.server.limits import BodyLimitMiddleware, RequestLimits
 from minserve.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
                                       error_body, error_response, validation_error_to_api)
+from minserve.server import openapi
 from minserve.server.endpoints import add_routes, get_and_head, model_card
 from minserve.server.responses import StreamFormatter, full_response, sse
 from minserve.server.serving import Prepared, prepare
@@ -384,6 +385,7 @@ def create_app(engine, *, served_model_name: str | None = None,
     _routes(app)
     add_routes(app)  # /tokenize, /detokenize, /tokenizer_info, /version, /v1/models/{id}
     _error_handlers(app)
+    openapi.install(app)  # its 400s where FastAPI would document 422s
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=st.limits.max_body_bytes)
     if auth is not None:  # added last, so it runs first: no body is read for a refused key
         app.add_middleware(AuthMiddleware, auth=auth)

@@ -4,7 +4,9 @@ Two modes.
 
 - **Keys configured** (``--api-key`` and/or ``--api-keys-file``): every ``/v1/*`` route and
   ``/tokenize``, ``/detokenize``, ``/tokenizer_info`` need ``Authorization: Bearer <key>``, else 401 with an OpenAI error body (vLLM's ``--api-key``
-  behaviour); ``/health`` stays open. The key decides the tenant (quotas, cache isolation) and the
+  behaviour); ``/health`` stays open, and so do ``/openapi.json`` and ``/docs`` (vLLM's choice,
+  kept on purpose: they describe the API, the same for every caller, and hold nothing about any
+  tenant, request or load; see openapi.py). The key decides the tenant (quotas, cache isolation) and the
   most urgent priority class the request may use; the body's ``user`` field no longer counts.
   ``/metrics`` needs an admin key unless ``metrics_require_admin=False``: its prefix-cache counters
   move when anyone's prompt hits the cache, a direct side channel across tenants.

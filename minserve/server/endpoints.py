@@ -23,9 +23,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 import minserve
-from minserve.server.protocol import ApiError, ChatMessage, _Body, error_body
+from minserve.server.protocol import ApiError, ChatMessage, TokenId, _Body, error_body
 from minserve.server.chat_template import chat_prompt_ids
-
+from minserve.server.limits import check_strings
 
 
 class TokenizeRequest(_Body):
@@ -39,7 +39,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def get_and_head(app: FastAPI, path: str):
@@ -64,6 +64,7 @@ def _check_model(st, model: str | None) -> None:
 
 def tokenize(st, body: TokenizeRequest) -> dict:
     """The body's prompt or messages as token ids (blocking: run it off the event loop)."""
+    check_strings(body)  # a lone surrogate would fail inside the tokenizer: a 400 naming it now
     _check_model(st, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "send exactly one of prompt (a string) or messages (a chat)", "prompt")

@@ -7,8 +7,9 @@ is checked. Hence a ladder of cheap checks, each before the next costlier step:
 1. the body size in bytes (:class:`BodyLimitMiddleware`, from ``Content-Length`` and again while
    the body streams in) -> 413, before JSON parsing; a body that is not UTF-8 -> 400 naming the
    byte, since JSON exchanged between systems must be UTF-8 (RFC 8259);
-2. the prompt length in characters (:meth:`RequestLimits.prompt_chars`) and the number and length
-   of stop strings (:func:`check_sizes`) -> 400, before tokenization;
+2. the prompt length in characters (:meth:`RequestLimits.prompt_chars`), the number and length
+   of stop strings (:func:`check_sizes`) and of every other list (:func:`check_lists`: token ids,
+   logit_bias, bad words, choices, tools) -> 400, before tokenization;
 3. every string being valid Unicode (:func:`check_strings`) -> 400 naming the field: a lone
    surrogate (JSON's ``"\\ud800"``) has no UTF-8 form, so it would fail later inside the tokenizer,
    the prefix-cache hash or a response, far from the request that brought it;
@@ -44,9 +45,20 @@ class RequestLimits:
     max_prompt_chars: int | None = None   # None: max_model_len * CHARS_PER_TOKEN_BOUND
     max_stop_strings: int = 64
     max_stop_chars: int = 256
+    # The other lists a body may carry (check_lists). Token-id lists and logit_bias may name each
+    # token of the vocabulary once (a full-vocabulary allowed_token_ids is a real use); bad words
+    # are matched against the output at every step, so they are bounded like stop strings;
+    # choices are compiled into a grammar; 128 tools is OpenAI's own limit.
+    max_bad_words: int = 256
+    max_bad_word_chars: int = 256
+    max_choices: int = 1024
+    max_choice_chars: int = 4096
+    max_tools: int = 128
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_prompt_chars", "max_stop_strings", "max_stop_chars"):
+        for name in ("max_body_bytes", "max_prompt_chars", "max_stop_strings", "max_stop_chars",
+                     "max_bad_words", "max_bad_word_chars", "max_choices", "max_choice_chars",
+                     "max_tools"):
             v = getattr(self, name)
             if v is None and name == "max_prompt_chars":
                 continue
@@ -89,9 +101,39 @@ def check_sizes(body, kind: str, limits: RequestLimits, max_model_len: int) -> N
                        f"{cap}{how}, checked before tokenizing", param)
 
 
-def check_strings(value, path: str = "") -> None:
-    """Every string in the validated body (fields, list items, message parts) must be valid
-    Unicode; the error names the field by its dotted path, e.g. ``messages.0.content``."""
+def check_lists(body, limits: RequestLimits, vocab_size: int) -> None:
+    """Every list and map field within its bound (README: Serving over HTTP), a 400 naming the
+    field and the limit otherwise; checked before any of them is tokenized or compiled."""
+    so = body.structured_outputs
+    bounded = [("allowed_token_ids", body.allowed_token_ids, vocab_size, None),
+               ("stop_token_ids", body.stop_token_ids, vocab_size, None),
+               ("logit_bias", body.logit_bias, vocab_size, None),
+               ("bad_words", body.bad_words, limits.max_bad_words, limits.max_bad_word_chars),
+               ("structured_outputs.choice", so.choice if so else None, limits.max_choices,
+                limits.max_choice_chars),
+               ("guided_choice", getattr(body, "guided_choice", None), limits.max_choices,
+                limits.max_choice_chars),
+               ("tools", getattr(body, "tools", None), limits.max_tools, None)]
+    for name, value, most, item_chars in bounded:
+        if value is None:
+            continue
+        what = "entries" if isinstance(value, dict) else "items"
+        if len(value) > most:
+            why = " (the vocabulary size)" if most == vocab_size else ""
+            raise ApiError(400, f"{name} holds {len(value)} {what}; at most {most}{why} are allowed",
+                           name)
+        for i, item in enumerate(value if item_chars else ()):
+            if len(item) > item_chars:
+                raise ApiError(400, f"{name}[{i}] is {len(item)} characters; each may be at most "
+                               f"{item_chars}", f"{name}.{i}")
+
+
+def check_strings(value, path: str = "", typed: bool = True) -> None:
+    """Every string in the validated body (fields, list items, message parts, and the keys and
+    values of free-form objects such as a tool's ``parameters`` schema) must be valid Unicode; the
+    error names the field by its dotted path, e.g. ``messages.0.content``. ``typed``: pydantic
+    checked the value's shape (a list of ints holds nothing else); inside a free-form object
+    nothing is known, so every item is looked at."""
     if isinstance(value, str):
         if not value.isascii():  # the common case costs one C scan
             try:
@@ -99,13 +141,19 @@ def check_strings(value, path: str = "") -> None:
             except ValueError as e:
                 raise ApiError(400, str(e), path) from None
     elif isinstance(value, BaseModel):
-        for name in type(value).model_fields:
-            check_strings(getattr(value, name), f"{path}.{name}" if path else name)
+        for name, spec in type(value).model_fields.items():
+            key = spec.alias or name  # the name the client wrote ("json", not the attribute json_)
+            check_strings(getattr(value, name), f"{path}.{key}" if path else key)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            check_strings(key, where, typed=False)  # a key is a string in JSON
+            check_strings(item, where, typed=False)
     elif isinstance(value, (list, tuple)):
-        if value and isinstance(value[0], int):
+        if typed and value and isinstance(value[0], int):
             return  # token ids: pydantic made the whole list ints
         for i, item in enumerate(value):
-            check_strings(item, f"{path}.{i}")
+            check_strings(item, f"{path}.{i}", typed)
 
 
 class BodyLimitMiddleware:

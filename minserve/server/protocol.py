@@ -19,12 +19,12 @@ clients), range errors are ``ValueError`` from SamplingParams and also become 40
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
                413: "invalid_request_error", 429: "rate_limit_exceeded",
@@ -86,6 +86,24 @@ def _position(doc, pos: str) -> str:
     return f" at line {line}, column {column} (character {n})"
 
 
+def _not_a_boolean(value):
+    # JSON's true and false are not numbers, but pydantic's lax mode reads them as 1 and 0: a
+    # client sending {"max_tokens": true} or token ids [true, false] has a bug it must be told of.
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got the boolean {str(value).lower()}")
+    return value
+
+
+# Numbers as the request bodies take them: lax as pydantic is ("5" and 5.0 are 5), booleans refused.
+Int = Annotated[int, BeforeValidator(_not_a_boolean)]
+Float = Annotated[float, BeforeValidator(_not_a_boolean)]
+# Items of lists and maps, which may hold a vocabulary's worth: pydantic's strict mode refuses
+# booleans (and strings) in its own code, where a Python validator per item would cost ~0.2 us
+# each on the event loop. A token id or a bias is a JSON number, never a string.
+TokenId = Annotated[int, Strict()]
+Bias = Annotated[float, Strict()]
+
+
 class _Body(BaseModel):
     # protected_namespaces=(): "model" is an OpenAI field name, not pydantic's namespace.
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
@@ -131,35 +149,35 @@ class _CommonRequest(_Body):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras, then minserve's."""
 
     model: str | None = None
-    frequency_penalty: float | None = 0.0
-    presence_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    best_of: int | None = None
+    frequency_penalty: Float | None = 0.0
+    presence_penalty: Float | None = 0.0
+    logit_bias: dict[str, Bias] | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    n: Int = 1
+    best_of: Int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    seed: Int | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
     # vLLM's extra sampling fields
     use_beam_search: bool = False
-    length_penalty: float = 1.0
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    length_penalty: Float = 1.0
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Int = 0
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: Int | None = None
     truncation_side: Literal["left", "right"] | None = None
-    prompt_logprobs: int | None = None
-    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: Int | None = None
+    allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputs | None = None
     # vLLM's extra request fields
@@ -171,22 +189,22 @@ class _CommonRequest(_Body):
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     repetition_detection: dict[str, Any] | None = None
-    thinking_token_budget: int | None = None
+    thinking_token_budget: Int | None = None
     # vLLM's prefix-cache isolation and scheduling fields
     cache_salt: str | None = None
-    priority: int = 0
+    priority: Int = 0
     # minserve: the answer must be complete within this many ms of arrival, or it is shed
-    deadline_ms: float | None = None
+    deadline_ms: Float | None = None
 
 
 class CompletionRequest(_CommonRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16        # OpenAI's default for /v1/completions
-    logprobs: int | None = None
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: Int | None = 16        # OpenAI's default for /v1/completions
+    logprobs: Int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True    # vLLM: BOS etc. as the tokenizer adds them
     prompt_embeds: str | list[str] | None = None
-    logprob_token_ids: list[int] | None = None
+    logprob_token_ids: list[TokenId] | None = None
     # vLLM before 0.12 took structured outputs as these top-level fields
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -247,10 +265,10 @@ class NamedToolChoice(_Body):
 
 class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage]
-    max_tokens: int | None = None      # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None      # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     tools: list[ChatTool] | None = None
     # None: vLLM's default, "auto" when tools are given and "none" otherwise
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -264,6 +282,6 @@ class ChatCompletionRequest(_CommonRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
-    max_repetition_pattern_size: int = 0
-    min_repetition_pattern_size: int = 0
-    repetition_min_count: int = 0
+    max_repetition_pattern_size: Int = 0
+    min_repetition_pattern_size: Int = 0
+    repetition_min_count: Int = 0

@@ -16,10 +16,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from minserve.engine.inputs import check_params
 from minserve.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 from minserve.server.chat_template import chat_prompt_ids, echo_prefix
-from minserve.server.limits import RequestLimits, check_sizes, check_strings
+from minserve.server.limits import RequestLimits, check_lists, check_sizes, check_strings
 from minserve.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from minserve.server.sampling_fields import check_fields, sampling_kwargs, truncate_prompt
 from minserve.server.tool_parsers.plan import ToolConfig, plan_tools
@@ -77,7 +76,9 @@ class Prepared:
 def prepare(body, kind: str, engine, model_name: str, limits: RequestLimits | None = None,
             tools: ToolConfig | None = None) -> Prepared:
     """Validate ``body`` against the engine's limits; raises ApiError / ValueError (-> 400)."""
-    check_sizes(body, kind, limits or RequestLimits(), engine.max_model_len)  # before tokenizing
+    limits = limits or RequestLimits()
+    check_sizes(body, kind, limits, engine.max_model_len)  # before tokenizing
+    check_lists(body, limits, engine.model_config.vocab_size)
     check_strings(body)  # before any message quotes a value
     if body.model is not None and body.model != model_name:
         raise ApiError(404, f"The model `{body.model}` does not exist; this server serves "
@@ -114,8 +115,12 @@ def prepare(body, kind: str, engine, model_name: str, limits: RequestLimits | No
         # Streams get only what is new each step; a plain response needs only the final result.
         output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
         **sampling_kwargs(body, engine.model_config.vocab_size, plan.schema if plan else None))
-    try:  # the engine's own checks (e.g. min_tokens with every token a stop token), as a 400 now
-        check_params(params, engine.model_config.vocab_size, engine.eos_token_ids)
+    try:
+        # The engine's own checks (e.g. min_tokens with every token a stop token) as a 400 now, and
+        # its per-request work (bad words tokenized, grammar compiled, the allowed-ids mask and the
+        # bias tensors built) here on the prepare pool: on the engine thread it stalled every
+        # stream (200 k bad words froze them for 10 s).
+        engine.prepare_params(params)
     except ValueError as e:
         first = str(e).split(" ", 1)[0]
         raise ApiError(400, str(e), first if first.isidentifier() else None) from None
