@@ -91,3 +91,38 @@ def test_failure_of_one_request_is_its_own(server, monkeypatch):
     assert _count(engine, "error") == errors + 1
     pool = engine.kv.pool
     assert pool.num_free == pool.num_blocks and not engine.has_unfinished_requests()
+
+
+# Issue 20 item 3: requests whose constraints leave no legal token. What can be decided at the
+# door is a 400 naming the fields; what only shows mid-run fails that request alone, as a 400
+# (its own doing, not the server's), and its neighbours' streams go on untouched.
+def test_poison_requests_decidable_at_the_door_are_400(server):
+    base, engine = server
+    eos = engine.eos_token_ids[0]
+    r = httpx.post(f"{base}/v1/completions", timeout=30, json={
+        "prompt": "x", "max_tokens": 5, "allowed_token_ids": [eos], "min_tokens": 3})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "allowed_token_ids" and "min_tokens" in err["message"]
+    r = httpx.post(f"{base}/v1/completions", timeout=30, json={
+        "prompt": "x", "max_tokens": 20, "structured_outputs": {"choice": ["yes"]}, "min_tokens": 10})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "min_tokens" and "structured_outputs" in r.json()["error"]["message"]
+
+
+def test_a_request_unsatisfiable_mid_run_is_a_400_of_its_own(server):
+    """A regex that must end after two characters, with min_tokens 6: only EOS is left once the
+    grammar is done, and EOS is banned. Nothing at the door can know how many tokens "aa" takes."""
+    base, engine = server
+    poison = {"prompt": "x", "max_tokens": 10, "min_tokens": 6, "structured_outputs": {"regex": "aa"}}
+    errors = _count(engine, "error")
+    streams, side = asyncio.run(_beside_long_streams(base, [("/v1/completions", poison)] * 3))
+    for events in streams:
+        _assert_complete(events)
+    for r in side:
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "unsatisfiable_constraints" and "min_tokens" in err["message"], err
+    assert _count(engine, "error") == errors + 3
+    pool = engine.kv.pool
+    assert pool.num_free == pool.num_blocks and not engine.has_unfinished_requests()

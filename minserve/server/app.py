@@ -36,7 +36,7 @@ from minserve.server.async_engine import AsyncEngine, RequestFailed
 from minserve.server.auth import PRINCIPAL_SCOPE_KEY, Auth, AuthMiddleware, effective_salt
 from minserve.server.limits import BodyLimitMiddleware, RequestLimits
 from minserve.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest,
-                                      error_body, error_response, validation_error_to_api)
+                                      error_body, error_response, validation_error_to_api, value_error)
 from minserve.server import openapi
 from minserve.server.endpoints import add_routes, get_and_head, model_card
 from minserve.server.responses import StreamFormatter, full_response, sse
@@ -325,11 +325,8 @@ def _error_handlers(app: FastAPI) -> None:
         return error_response(validation_error_to_api(exc))
 
     @app.exception_handler(ValueError)
-    async def value_error(_: Request, exc: ValueError):
-        # SamplingParams / classify messages start with the field's name: use it as ``param``.
-        message = str(exc)
-        first = message.split(" ", 1)[0]
-        return error_response(ApiError(400, message, first if first.isidentifier() else None))
+    async def value_error_handler(_: Request, exc: ValueError):
+        return error_response(value_error(exc))  # the message's leading field is the param
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException):

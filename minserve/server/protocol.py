@@ -19,6 +19,7 @@ clients), range errors are ``ValueError`` from SamplingParams and also become 40
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from fastapi.encoders import jsonable_encoder
@@ -39,6 +40,18 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers
+
+
+_LEADING_FIELD = re.compile(r"([A-Za-z_]\w*(?:\.\w+)*)(?=[ =:\[]|$)")
+
+
+def value_error(e: ValueError) -> ApiError:
+    """A 400 from a ValueError of SamplingParams or the engine's checks: their messages start
+    with the field they refuse ("top_p must be ...", "min_tokens=10 is more than ..."), which
+    becomes ``param``."""
+    message = str(e)
+    m = _LEADING_FIELD.match(message)
+    return ApiError(400, message, m.group(1) if m else None)
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from minserve.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 from minserve.server.chat_template import chat_prompt_ids, echo_prefix
 from minserve.server.limits import RequestLimits, check_lists, check_sizes, check_strings
-from minserve.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from minserve.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, value_error
 from minserve.server.sampling_fields import check_fields, sampling_kwargs, truncate_prompt
 from minserve.server.tool_parsers.plan import ToolConfig, plan_tools
 from minserve.server.tool_parsers.reply import ChatReply
@@ -122,8 +122,7 @@ def prepare(body, kind: str, engine, model_name: str, limits: RequestLimits | No
         # stream (200 k bad words froze them for 10 s).
         engine.prepare_params(params)
     except ValueError as e:
-        first = str(e).split(" ", 1)[0]
-        raise ApiError(400, str(e), first if first.isidentifier() else None) from None
+        raise value_error(e) from None
     # Only max_tokens differs between the prompts of a batch (each fills its own context room).
     batch_params = [params if m == params.max_tokens else dataclasses.replace(params, max_tokens=m)
                     for m in max_tokens]
