@@ -265,13 +265,13 @@ def test_e_the_log_filter_suppresses_repeats_and_counts_them():
         assert len(records) == 6 + 20 + 1
         clock.now = 11.0  # the next window: the count comes first, then the line
         accept_failed(7)
-        assert records[-2].getMessage().startswith("suppressed 995 similar log lines")
+        assert records[-2].getMessage().startswith("suppressed 995 log lines like this one")
         assert records[-1].getMessage() == "accept failed: fd=7: Too many open files"
         for fd in range(10):  # a second flood; then the next line of another kind brings its count
             accept_failed(fd)
         clock.now = 30.0
         logger.warning("a different line")
-        assert records[-2].getMessage().startswith("suppressed 6 similar log lines")
+        assert records[-2].getMessage().startswith("suppressed 6 log lines like this one")
         assert records[-1].getMessage() == "a different line"
     finally:
         logger.removeHandler(handler)
@@ -295,8 +295,9 @@ def test_f_the_flags_reach_the_server_config():
     assert defaults.max_connections == default_max_connections()
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     assert 0 < defaults.max_connections < soft or soft == resource.RLIM_INFINITY
-    assert default_max_connections(256) == 192 and default_max_connections(20000) == 18976
-    # the accept burst fits in what the limit leaves free
-    assert srv.config.backlog == accept_backlog(40) and accept_backlog(192, 256) == 32
+    assert default_max_connections(256) == 128 and default_max_connections(20000) == 18976
+    # accept bursts fit in what the limit leaves free, and evict at most a quarter of the limit
+    assert srv.config.backlog == accept_backlog(40) and accept_backlog(128, 256) == 32
+    assert accept_backlog(512, 20000) == 128 and accept_backlog(18976, 20000) == 256
     with pytest.raises(ValueError, match="header_timeout_s"):
         connection_limits(parse_args(["--header-timeout", "0"]))

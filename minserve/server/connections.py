@@ -59,19 +59,27 @@ def nofile_limit() -> int:
 
 def default_max_connections(nofile: int | None = None) -> int:
     """Open connections that still leave fds for the rest of the process: the soft RLIMIT_NOFILE
-    less a quarter of it, at least 64 and at most 1024 fds (the event loop's own fds, files the
-    engine opens, and one accept burst: see :func:`accept_backlog`)."""
+    less a quarter of it, at least 128 and at most 1024 fds (the event loop's own fds, files the
+    engine opens, and the sockets of accept bursts in flight: see :func:`accept_backlog`)."""
     nofile = nofile_limit() if nofile is None else nofile
-    return max(16, nofile - min(1024, max(64, nofile // 4)))
+    return max(16, nofile - min(1024, max(128, nofile // 4)))
 
 
 def accept_backlog(max_connections: int, nofile: int | None = None) -> int:
     """The listen backlog to give uvicorn (its default is 2048). asyncio accepts up to that many
-    sockets in one go before any of their protocols runs, so before any is counted against
-    ``max_connections``: the burst must fit in the fds the limit leaves free, or accept() fails
-    with EMFILE after all (asyncio then stops accepting for a second). Half of them, 16 to 2048."""
+    sockets in one go, before the protocol of any of them runs, so before any is counted:
+
+    - the burst must fit in the fds that ``max_connections`` leaves free, or accept() fails with
+      EMFILE after all (and asyncio stops accepting for a second); and not one burst: a socket is
+      counted a loop iteration or two after its accept, an evicted one frees its fd an iteration
+      after its close, so two or three bursts' worth of fds are in flight at once;
+    - the burst must be well below ``max_connections``: each accepted socket may evict the oldest
+      connection still waiting for its head, and a burst as large as the limit would evict a real
+      client whose head has arrived but not yet been read (a loop iteration later).
+
+    So a quarter of the smaller of the limit and the free fds, 16 to 2048."""
     nofile = nofile_limit() if nofile is None else nofile
-    return min(2048, max(16, (nofile - max_connections) // 2))
+    return min(2048, max(16, min(max_connections, nofile - max_connections) // 4))
 
 
 @dataclass(frozen=True)
@@ -314,7 +322,7 @@ class RateLimitFilter(logging.Filter):
         super().__init__()
         self.handler, self.burst, self.interval_s, self.level = handler, burst, interval_s, level
         self.max_keys, self.clock = max_keys, clock
-        # key -> [window start, lines passed, lines suppressed, shape, the window's first record]
+        # key -> [window start, lines passed, lines suppressed, the window's first record]
         self.windows: dict[tuple, list] = {}
         self.pending: dict[tuple, list] = {}  # the windows with a count still to report
 
@@ -329,7 +337,7 @@ class RateLimitFilter(logging.Filter):
             self._report(now)
         w = self.windows.pop(key, None)  # popped and put back: most recently used last
         if w is None or now - w[0] >= self.interval_s:
-            w = [now, 0, 0, shape, record]
+            w = [now, 0, 0, record]
         self.windows[key] = w
         if len(self.windows) > self.max_keys:
             del self.windows[next(iter(self.windows))]
@@ -347,8 +355,9 @@ class RateLimitFilter(logging.Filter):
         for key, w in list(self.pending.items()):
             if now - w[0] >= self.interval_s:
                 del self.pending[key]
-                self._note(w[4], "suppressed %d similar log lines in the last %.0f s (%s)",
-                           w[2], now - w[0], w[3])
+                first = w[3].getMessage().split("\n", 1)[0]
+                self._note(w[3], "suppressed %d log lines like this one in the last %.0f s: %s",
+                           w[2], now - w[0], first[:200])
 
     def _note(self, like: logging.LogRecord, msg: str, *args) -> None:
         note = logging.LogRecord(like.name, like.levelno, like.pathname, like.lineno, msg, args, None)
