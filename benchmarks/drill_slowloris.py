@@ -120,13 +120,13 @@ def _attack_process(host, port, connections, stop, ready, results) -> None:
     results.put(Attack(host, port, connections, stop, ready).run())
 
 
-def _probe_health(base_url: str, stop: threading.Event, out: dict) -> None:
-    # A new connection each time, as a load balancer's health check makes: what is tested is
-    # whether a newcomer gets accepted and answered, not a warm kept-alive connection.
+def _probe(request, every_s: float, stop: threading.Event, out: dict) -> None:
+    """Call ``request()`` (an httpx request) every ``every_s`` until ``stop``: the latency of each
+    200 goes to out["latencies"], anything else is counted by kind in out["failures"]."""
     while not stop.is_set():
         t0 = time.perf_counter()
         try:
-            status = httpx.get(base_url + "/health", timeout=5).status_code
+            status = request().status_code
             failure = None if status == 200 else f"HTTP {status}"
         except httpx.HTTPError as e:
             failure = type(e).__name__
@@ -134,23 +134,7 @@ def _probe_health(base_url: str, stop: threading.Event, out: dict) -> None:
             out["latencies"].append(time.perf_counter() - t0)
         else:
             out["failures"][failure] += 1
-        stop.wait(0.1)
-
-
-def _probe_completions(base_url: str, model: str, stop: threading.Event, out: dict) -> None:
-    while not stop.is_set():
-        t0 = time.perf_counter()
-        try:
-            r = httpx.post(base_url + "/v1/completions", timeout=30,
-                           json={"model": model, "prompt": "The quick brown fox", "max_tokens": 8})
-            failure = None if r.status_code == 200 else f"HTTP {r.status_code}"
-        except httpx.HTTPError as e:
-            failure = type(e).__name__
-        if failure is None:
-            out["latencies"].append(time.perf_counter() - t0)
-        else:
-            out["failures"][failure] += 1
-        stop.wait(1.0)
+        stop.wait(every_s)
 
 
 def slowloris_drill(base_url: str, connections: int, seconds: float) -> dict:
@@ -172,9 +156,14 @@ def slowloris_drill(base_url: str, connections: int, seconds: float) -> dict:
     stop = threading.Event()
     health: dict = {"latencies": [], "failures": collections.Counter()}
     completions: dict = {"latencies": [], "failures": collections.Counter()}
-    probes = [threading.Thread(target=_probe_health, args=(base_url, stop, health), daemon=True),
-              threading.Thread(target=_probe_completions, args=(base_url, model, stop, completions),
-                               daemon=True)]
+    # A new connection for each probe, as a load balancer's health check makes: what is tested is
+    # whether a newcomer gets accepted and answered, not a warm kept-alive connection.
+    body = {"model": model, "prompt": "The quick brown fox", "max_tokens": 8}
+    probes = [threading.Thread(target=_probe, daemon=True, args=(
+                  lambda: httpx.get(base_url + "/health", timeout=5), 0.1, stop, health)),
+              threading.Thread(target=_probe, daemon=True, args=(
+                  lambda: httpx.post(base_url + "/v1/completions", json=body, timeout=30), 1.0, stop,
+                  completions))]
     t0 = time.monotonic()
     attacker.start()
     for t in probes:  # from the start: the ramp counts too

@@ -198,7 +198,8 @@ def make_server(app, host: str, port: int, drain_timeout_s: float, log_level: st
     bodies, the connection limit) with ConnectionCloseMiddleware around the whole app."""
     import uvicorn
 
-    from minserve.server.connections import ConnectionCloseMiddleware, accept_backlog, protocol_class
+    from minserve.server.connections import (ConnectionCloseMiddleware, accept_backlog, protocol_class,
+                                             widen_listen_queue)
 
     st = app.state.minserve
 
@@ -206,6 +207,7 @@ def make_server(app, host: str, port: int, drain_timeout_s: float, log_level: st
         async def startup(self, sockets=None) -> None:
             self._loop = asyncio.get_running_loop()
             await super().startup(sockets)
+            widen_listen_queue(self.servers)  # small accept bursts, the kernel's queue as before
 
         def handle_exit(self, sig, frame) -> None:
             loop = getattr(self, "_loop", None)

@@ -66,8 +66,9 @@ def default_max_connections(nofile: int | None = None) -> int:
 
 
 def accept_backlog(max_connections: int, nofile: int | None = None) -> int:
-    """The listen backlog to give uvicorn (its default is 2048). asyncio accepts up to that many
-    sockets in one go, before the protocol of any of them runs, so before any is counted:
+    """The backlog to give uvicorn (its default is 2048; :func:`widen_listen_queue` restores the
+    kernel's queue). asyncio accepts up to that many sockets in one go, before the protocol of
+    any of them runs, so before any is counted:
 
     - the burst must fit in the fds that ``max_connections`` leaves free, or accept() fails with
       EMFILE after all (and asyncio stops accepting for a second); and not one burst: a socket is
@@ -80,6 +81,22 @@ def accept_backlog(max_connections: int, nofile: int | None = None) -> int:
     So a quarter of the smaller of the limit and the free fds, 16 to 2048."""
     nofile = nofile_limit() if nofile is None else nofile
     return min(2048, max(16, min(max_connections, nofile - max_connections) // 4))
+
+
+LISTEN_QUEUE = 2048  # uvicorn's default backlog: the kernel's queue of connections not yet accepted
+
+
+def widen_listen_queue(servers) -> None:
+    """Give the kernel's accept queue LISTEN_QUEUE places again, after uvicorn has started with
+    :func:`accept_backlog`. asyncio uses one number for both the listen() queue and its accept
+    burst; the burst must be small, but a small queue drops the SYNs of real clients when it
+    fills (they retry after a second). Calling listen() again on a listening socket only
+    changes its queue length (Linux and the BSDs)."""
+    import socket
+    for server in servers:
+        for ts in server.sockets:  # asyncio's TransportSocket has no listen(): a dup has
+            with socket.socket(fileno=socket.dup(ts.fileno())) as sock:
+                sock.listen(LISTEN_QUEUE)
 
 
 @dataclass(frozen=True)
