@@ -144,6 +144,27 @@ def test_b_health_answers_while_slowloris_holds_every_connection():
                 s.close()
 
 
+def test_at_the_limit_with_every_request_in_progress_a_newcomer_gets_503():
+    limits = ConnectionLimits(body_timeout_s=60.0, max_connections=2)
+    with guarded_server(tiny_app(), limits) as (srv, port):
+        busy = [connect(port) for _ in range(2)]
+        try:
+            for s in busy:  # heads complete, bodies still arriving: requests in progress
+                s.sendall(b"POST /tokenize HTTP/1.1\r\nHost: localhost\r\ncontent-length: 100\r\n\r\n{")
+            deadline = time.monotonic() + 10
+            while len(srv.connection_guard.waiting) or srv.connection_guard.open < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            with connect(port) as s:
+                status, headers, _ = read_response(s)
+                assert status == 503 and headers.get("connection") == "close"
+                assert closed_by_server(s)
+            assert srv.connection_guard.refused == 1 and srv.connection_guard.evicted == 0
+        finally:
+            for s in busy:
+                s.close()
+
+
 def test_b_the_default_limit_keeps_accept_below_the_fd_limit(tmp_path):
     """The issue as reported, scaled down: a process with 256 fds, 400 slowloris sockets. Before,
     accept() failed with EMFILE from ~250 on and /health timed out; the default --max-connections

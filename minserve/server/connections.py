@@ -18,6 +18,8 @@ Three defences, all below the app, in the uvicorn protocol that :func:`protocol_
    closed instead. An attacker's sockets are exactly those, so a real client (whose head arrives
    within a millisecond of connecting) gets in, and /health keeps answering. Only when every
    connection has a request in progress is the newcomer refused, with a 503 and Connection: close.
+   Accept bursts are kept small (:func:`accept_backlog`), so that they fit in the spare fds and
+   cannot evict a client whose head has arrived but not yet been read.
 3. **Rate-limited logs** (:class:`RateLimitFilter`): a flood of identical error lines is cut to a
    few per interval plus a count, so the disk does not fill with "Too many open files".
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -92,7 +95,6 @@ def widen_listen_queue(servers) -> None:
     burst; the burst must be small, but a small queue drops the SYNs of real clients when it
     fills (they retry after a second). Calling listen() again on a listening socket only
     changes its queue length (Linux and the BSDs)."""
-    import socket
     for server in servers:
         for ts in server.sockets:  # asyncio's TransportSocket has no listen(): a dup has
             with socket.socket(fileno=socket.dup(ts.fileno())) as sock:
@@ -109,13 +111,14 @@ class ConnectionLimits:
     max_connections: int = field(default_factory=default_max_connections)
 
     def __post_init__(self) -> None:
-        for name in ("header_timeout_s", "body_timeout_s", "timeout_keep_alive_s"):
+        for name, flag in (("header_timeout_s", "--header-timeout"), ("body_timeout_s", "--body-timeout"),
+                           ("timeout_keep_alive_s", "--timeout-keep-alive")):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
+                raise ValueError(f"{name} ({flag}) must be a number of seconds > 0, got {v!r}")
         v = self.max_connections
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"max_connections must be an int >= 1, got {v!r}")
+            raise ValueError(f"max_connections (--max-connections) must be an int >= 1, got {v!r}")
         if v > nofile_limit() - 64:
             log.warning("--max-connections %d leaves under 64 of this process's %d file descriptors "
                         "(ulimit -n) for anything else: accept() may fail with EMFILE before the "
@@ -125,7 +128,7 @@ class ConnectionLimits:
 class ConnectionGuard:
     """Server-wide bookkeeping shared by all connections of one server: how many are open, and
     which wait for a request head, oldest first (a dict keeps insertion order; a connection moves
-    to the end each time it starts waiting again). The counters are for tests and the drill."""
+    to the end each time it starts waiting again). The counters are for tests."""
 
     def __init__(self, limits: ConnectionLimits):
         self.limits = limits
