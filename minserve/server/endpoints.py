@@ -23,7 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 import minserve
-from minserve.server.protocol import ApiError, ChatMessage, TokenId, _Body, error_body
+from minserve.server.protocol import (MAX_MESSAGES, ApiError, ChatMessage, TokenId, _Body, bounded,
+                                      error_body)
 from minserve.server.chat_template import chat_prompt_ids
 from minserve.server.limits import check_strings
 
@@ -31,7 +32,7 @@ from minserve.server.limits import check_strings
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: bounded(ChatMessage, MAX_MESSAGES) | None = None
     add_special_tokens: bool | None = None   # None: true for a prompt, false for messages
     add_generation_prompt: bool = True
     return_token_strs: bool = False

@@ -48,17 +48,20 @@ class RequestLimits:
     # The other lists a body may carry (check_lists). Token-id lists and logit_bias may name each
     # token of the vocabulary once (a full-vocabulary allowed_token_ids is a real use); bad words
     # are matched against the output at every step, so they are bounded like stop strings;
-    # choices are compiled into a grammar; 128 tools is OpenAI's own limit.
+    # choices are compiled into a grammar. (Lists of objects, such as messages and tools, are
+    # bounded in the schema itself: protocol.py.)
     max_bad_words: int = 256
     max_bad_word_chars: int = 256
     max_choices: int = 1024
     max_choice_chars: int = 4096
-    max_tools: int = 128
+    # Labels: request_id is echoed in the id of every stream chunk (a 1 MB id would be re-sent and
+    # re-encoded with each token) and user names a tenant in logs and quotas.
+    max_label_chars: int = 256
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_prompt_chars", "max_stop_strings", "max_stop_chars",
                      "max_bad_words", "max_bad_word_chars", "max_choices", "max_choice_chars",
-                     "max_tools"):
+                     "max_label_chars"):
             v = getattr(self, name)
             if v is None and name == "max_prompt_chars":
                 continue
@@ -102,8 +105,9 @@ def check_sizes(body, kind: str, limits: RequestLimits, max_model_len: int) -> N
 
 
 def check_lists(body, limits: RequestLimits, vocab_size: int) -> None:
-    """Every list and map field within its bound (README: Serving over HTTP), a 400 naming the
-    field and the limit otherwise; checked before any of them is tokenized or compiled."""
+    """Every list and map field of strings or numbers within its bound (README: Serving over
+    HTTP), a 400 naming the field and the limit otherwise; checked before any of them is tokenized
+    or compiled. Lists of objects are bounded by the schema (protocol.py)."""
     so = body.structured_outputs
     bounded = [("allowed_token_ids", body.allowed_token_ids, vocab_size, None),
                ("stop_token_ids", body.stop_token_ids, vocab_size, None),
@@ -112,8 +116,12 @@ def check_lists(body, limits: RequestLimits, vocab_size: int) -> None:
                ("structured_outputs.choice", so.choice if so else None, limits.max_choices,
                 limits.max_choice_chars),
                ("guided_choice", getattr(body, "guided_choice", None), limits.max_choices,
-                limits.max_choice_chars),
-               ("tools", getattr(body, "tools", None), limits.max_tools, None)]
+                limits.max_choice_chars)]
+    for name in ("request_id", "user"):
+        value = getattr(body, name)
+        if value is not None and len(value) > limits.max_label_chars:
+            raise ApiError(400, f"{name} is {len(value)} characters; at most "
+                           f"{limits.max_label_chars} are allowed", name)
     for name, value, most, item_chars in bounded:
         if value is None:
             continue
