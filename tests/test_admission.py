@@ -112,7 +112,8 @@ def test_deadline_counts_running_work_and_the_wait_for_a_seat():
     assert ac.predict_s(small) == pytest.approx(max(1.0, 0.05) + 0.06)
     d = ac.try_admit(small)
     assert (d.admitted, d.reason, d.status) == (False, "deadline", 429)
-    assert "2 running" in d.message and d.retry_after_s == 1       # ceil(1.0 s until a seat frees)
+    assert "1060 ms" in d.message and d.retry_after_s == 1          # ceil(1.0 s until a seat frees)
+    assert "running" not in d.message  # nothing about the work of others
     # A queued request ahead takes the first free seat (1.0 s) and holds it for 0.01 + 0.5 s.
     assert ac.try_admit(ticket(prompt=10, max_tokens=50)).admitted
     assert ac.predict_s(small) == pytest.approx(1.51 + 0.06)
