@@ -96,7 +96,7 @@ def sampling_kwargs(body, vocab_size: int, tool_schema: dict | None = None) -> d
     if body.repetition_penalty is not None:
         kw["repetition_penalty"] = body.repetition_penalty
     if body.logit_bias:
-        kw["logit_bias"] = {_bias_token(k, vocab_size): v for k, v in body.logit_bias.items()}
+        kw["logit_bias"] = _bias_tokens(body.logit_bias, vocab_size)
     if body.allowed_token_ids is not None:
         _check_ids("allowed_token_ids", body.allowed_token_ids, vocab_size)
         kw["allowed_token_ids"] = body.allowed_token_ids
@@ -106,6 +106,18 @@ def sampling_kwargs(body, vocab_size: int, tool_schema: dict | None = None) -> d
     if structured is not None:
         kw["structured_outputs"] = structured
     return kw
+
+
+def _bias_tokens(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
+    """Token id -> bias. ``map(int, ...)`` converts the keys in C (a whole-vocabulary bias is 49 k
+    of them); a key it refuses, or one out of range, is then named by the per-key check."""
+    try:
+        ids = list(map(int, bias))
+    except ValueError:
+        ids = None
+    if ids is None or (ids and not 0 <= min(ids) <= max(ids) < vocab_size):
+        return {_bias_token(k, vocab_size): v for k, v in bias.items()}
+    return dict(zip(ids, bias.values()))
 
 
 def _bias_token(key: str, vocab_size: int) -> int:
