@@ -26,11 +26,12 @@ from minserve.engine.model_runner import ModelRunner
 from minserve.engine.output_processor import OutputProcessor
 from minserve.engine.parallel_sampling import ParentRequest, fan_out
 from minserve.engine.inputs import check_cache_salt, check_params, prepare_logits_controls, prompt_ids
+from minserve.engine.isolation import execute_isolating_faults
 from minserve.engine.penalties import PreparedControls
 from minserve.engine.request import Request, RequestRecord, RequestStatus
 from minserve.engine.sampler import make_generator
 from minserve.engine.scheduler import Scheduler
-from minserve.engine.step_io import ModelRunnerOutput, SchedulerOutput
+from minserve.engine.step_io import ModelRunnerOutput
 from minserve.engine.stats import StepStats
 from minserve.metrics import EngineMetrics, requests_frame, steps_frame
 from minserve.models.loader import LoadedModel, load_model
@@ -280,36 +281,7 @@ class LLMEngine:
             req.spec_token_ids = list(spec)
 
     def _execute(self, sched) -> ModelRunnerOutput:
-        """Run the step. A request whose constraints leave nothing to sample comes back in the
-        output's ``errors`` with the others' tokens beside it (the runner isolates it). If the step
-        raises, find out whose fault it is: rerun each request alone (writing the same K/V into
-        the same slots again is harmless, and seeded generators are rewound first, so a retried
-        request samples exactly what it would have). That costs the step's neighbours one
-        serial pass, so it is kept for faults nothing could foresee."""
-        rngs = {r.request_id: r.generator.get_state() for s in sched.scheduled if s.samples
-                for r in (s.request, *s.forks) if r.generator is not None}
-        try:
-            return _runner_output(self.runner.execute(sched, self.kv))
-        except Exception as e:
-            if len(sched.scheduled) == 1:
-                return ModelRunnerOutput(errors={sched.scheduled[0].request.request_id: f"{type(e).__name__}: {e}"})
-            log.warning("step of %d requests failed (%s: %s); retrying them one by one",
-                        len(sched.scheduled), type(e).__name__, e)
-        out = ModelRunnerOutput()
-        for s in sched.scheduled:
-            rid = s.request.request_id
-            for r in (s.request, *s.forks):
-                if r.request_id in rngs:
-                    r.generator.set_state(rngs[r.request_id])
-            try:
-                alone = _runner_output(self.runner.execute(SchedulerOutput(scheduled=[s]), self.kv))
-            except Exception as e:
-                out.errors[rid] = f"{type(e).__name__}: {e}"
-                continue
-            out.sampled.update(alone.sampled)
-            out.errors.update(alone.errors)
-            out.client_errors |= alone.client_errors
-        return out
+        return execute_isolating_faults(self.runner, self.kv, sched)
 
     def _append_tokens(self, req: Request, tokens: list) -> tuple[int, RequestStatus | None]:
         """The scheduler's token consumer: append accepted tokens one by one (text, stop checks);
@@ -431,11 +403,6 @@ class LLMEngine:
         if out:
             out.update(self.metrics.spec.by_position())
         return out
-
-
-def _runner_output(out) -> ModelRunnerOutput:
-    """A runner's result; a stand-in runner (a test's) may return the bare ``sampled`` dict."""
-    return out if isinstance(out, ModelRunnerOutput) else ModelRunnerOutput(out)
 
 
 def model_fingerprint(loaded: LoadedModel, dtype: str, quantization: str = "none",
