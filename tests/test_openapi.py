@@ -65,3 +65,16 @@ def test_docs_and_the_document_need_no_key_while_the_api_does(server):
     assert httpx.get(base + "/v1/models").status_code == 401
     # The document is the same for every caller: nothing in it depends on who asks.
     assert httpx.get(base + "/openapi.json", headers={"Authorization": "Bearer sk-a"}).json() == server[1]
+
+
+def test_a_405_names_every_method_and_health_and_metrics_say_what_they_send(server):
+    """Found by schemathesis: GET routes answered HEAD through a second route, so a 405 said
+    ``Allow: HEAD``; /health (empty) and /metrics (text) were documented as JSON."""
+    base, doc = server
+    for path in ("/health", "/v1/models", "/version"):
+        r = httpx.request("OPTIONS", base + path, headers={"Authorization": "Bearer sk-a"})
+        assert r.status_code == 405 and set(r.headers["allow"].replace(" ", "").split(",")) == {"GET", "HEAD"}
+        assert httpx.head(base + path, headers={"Authorization": "Bearer sk-a"}).status_code == 200
+    assert "content" not in doc["paths"]["/health"]["get"]["responses"]["200"]
+    assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    assert httpx.get(base + "/health").content == b""

@@ -44,10 +44,11 @@ class DetokenizeRequest(_Body):
 
 
 def get_and_head(app: FastAPI, path: str):
-    """Register a GET route that answers HEAD too; the HEAD twin stays out of the OpenAPI schema
-    (one operation per route, and no duplicate operation ids)."""
+    """Register a GET route that answers HEAD too. One route serves both, so a 405 names both in
+    its ``Allow`` header (two routes made it say only ``HEAD``); a second, never-reached GET
+    route documents it, since one route with two methods would be two operations sharing one id."""
     def register(fn):
-        app.head(path, include_in_schema=False)(fn)
+        app.api_route(path, methods=["GET", "HEAD"], include_in_schema=False)(fn)
         return app.get(path)(fn)
     return register
 

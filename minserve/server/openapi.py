@@ -32,6 +32,7 @@ ERROR_SCHEMA = {
 ERRORS = {
     "400": "Invalid request: the message names the field (`param`) and the allowed range",
     "401": "API keys are configured and the request carries no valid one",
+    "403": "/metrics needs an admin key (--metrics-require-admin, the default with keys)",
     "404": "The model is not the one this server serves",
     "413": "The body is larger than --max-request-body-bytes",
     "429": "Shed by admission (queue full, tenant quota, deadline predicted to be missed)",
@@ -47,6 +48,16 @@ ROUTE_ERRORS = {
     ("/v1/models/{model_id}", "get"): ("401", "404"),
     ("/v1/models", "get"): ("401",),
     ("/tokenizer_info", "get"): ("401",),
+    ("/health", "get"): ("503",),
+    ("/metrics", "get"): ("401", "403"),
+}
+
+
+# Routes whose success is not JSON: FastAPI documents every 200 as application/json.
+PLAIN_SUCCESS = {
+    ("/health", "get"): {"description": "Healthy: an empty body"},
+    ("/metrics", "get"): {"description": "Prometheus text exposition (vLLM's metric names)",
+                          "content": {"text/plain": {"schema": {"type": "string"}}}},
 }
 
 
@@ -67,6 +78,8 @@ def server_openapi(app: FastAPI) -> dict:
             for method, op in ops.items():
                 responses = op.setdefault("responses", {})
                 responses.pop("422", None)  # never answered: a bad body is a 400
+                if (path, method) in PLAIN_SUCCESS:
+                    responses["200"] = PLAIN_SUCCESS[(path, method)]
                 for status in ROUTE_ERRORS.get((path, method), ()):
                     responses.setdefault(status, _error_response(ERRORS[status]))
         app.openapi_schema = doc
