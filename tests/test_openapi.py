@@ -78,3 +78,6 @@ def test_a_405_names_every_method_and_health_and_metrics_say_what_they_send(serv
     assert "content" not in doc["paths"]["/health"]["get"]["responses"]["200"]
     assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     assert httpx.get(base + "/health").content == b""
+    for path in ("/v1/completions", "/v1/chat/completions"):  # JSON, or SSE with "stream": true
+        assert set(doc["paths"][path]["post"]["responses"]["200"]["content"]) == {
+            "application/json", "text/event-stream"}

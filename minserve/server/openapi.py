@@ -80,6 +80,10 @@ def server_openapi(app: FastAPI) -> dict:
                 responses.pop("422", None)  # never answered: a bad body is a 400
                 if (path, method) in PLAIN_SUCCESS:
                     responses["200"] = PLAIN_SUCCESS[(path, method)]
+                if ROUTE_ERRORS.get((path, method)) is _GENERATE:  # "stream": true answers SSE
+                    responses["200"].setdefault("content", {})["text/event-stream"] = {
+                        "schema": {"type": "string", "description": "data: <chunk JSON> lines, "
+                                   "then data: [DONE]"}}
                 for status in ROUTE_ERRORS.get((path, method), ()):
                     responses.setdefault(status, _error_response(ERRORS[status]))
         app.openapi_schema = doc
