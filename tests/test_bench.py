@@ -424,7 +424,8 @@ def test_cli_sweep_against_stub_server(stub_server, tmp_path, capsys):
     stub_server.payloads.clear()
     rc = main(["--base-url", url, "--dataset-name", "random", "--random-input-len", "16",
                "--random-output-len", "5", "--num-prompts", "3", "--request-rate", "40,inf",
-               "--result-dir", str(tmp_path), "--metrics-interval", "0.05", "--disable-tqdm",
+               "--save-result", "--result-dir", str(tmp_path), "--metrics-interval", "0.05",
+               "--disable-tqdm",
                "--goodput", "ttft:10000", "--percentile-metrics", "ttft,tpot,itl,e2el"])
     assert rc == 0
     files = sorted(tmp_path.glob("openai-*qps-tiny-llama-*.json"))

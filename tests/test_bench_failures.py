@@ -12,8 +12,9 @@ NUM_PROMPTS = 9  # three of each failure below
 
 
 class FailingHandler(BaseHTTPRequestHandler):
-    """Fails every completion, in turn: a 429 whose message holds a per-request number, a stream
-    cut mid-body (as llama-cpp-python's server did when a new request arrived), a plain 500."""
+    """Answers the first completion (the bench's initial test run), then fails every one, in turn:
+    a 429 whose message holds a per-request number, a stream cut mid-body (as llama-cpp-python's
+    server did when a new request arrived), a plain 500."""
 
     protocol_version = "HTTP/1.1"
 
@@ -37,8 +38,11 @@ class FailingHandler(BaseHTTPRequestHandler):
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
         with self.server.lock:
-            i = self.server.count
+            i = self.server.count - 1  # -1: the test run
             self.server.count += 1
+        if i < 0:
+            return self._send(200, 'data: {"choices": [{"index": 0, "text": "Hi"}]}\n\ndata: [DONE]\n\n',
+                              "text/event-stream")
         if i % 3 == 0:
             return self._send(429, json.dumps({"error": {"message": f"queue holds {40 + i} requests",
                                                          "type": "rate_limit_exceeded"}}))

@@ -7,8 +7,20 @@ Examples::
     minserve bench serve --dataset-name mix --request-rate 1,2,4,8 --goodput ttft:2000 tpot:200
     minserve bench serve --backend inprocess --model tiny-llama --dataset-name agent
 
-A comma list of rates runs one benchmark per rate, prints a table and always saves one result file
-per rate. Our additions to vLLM's flags: the scenario datasets (qa, rag, code, agent, mix) with
+Before anything is measured, as ``vllm bench serve`` does, an initial test run sends the first
+prompt once and waits for its answer: a server that cannot answer it (wrong model or endpoint, a
+missing key, a server still loading) stops the command with "Initial test run failed" and the
+server's own error, instead of a table of failures; and a server that just started pays its cold
+start (first allocations, kernel compilation, lazy imports) there, not in the first measured
+request. ``--num-warmups N`` (vLLM's flag) sends that prompt N more times. Neither counts in any
+result. One consequence, the same as vLLM's: with prefix caching on, the first measured request
+finds the test prompt cached.
+
+A comma list of rates runs one benchmark per rate, all after the one test run (the server stays
+warm between rates), then prints a table. Result files are written only with ``--save-result``,
+as vLLM does: in ``--result-dir`` (default: the working directory), named
+``--result-filename`` (default vLLM's ``{backend}-{rate}qps[-concurrencyN]-{model}-{date}.json``;
+in a sweep the rate is added to a given name, one file per rate). Our additions to vLLM's flags: the scenario datasets (qa, rag, code, agent, mix) with
 ``--length-scale``, ``--metrics-interval`` (``/metrics`` sampling) and ``--backend inprocess``
 (an engine in this process, no server). As vLLM does for ``random``, synthetic datasets send
 ``ignore_eos`` so the workload, not the model, sets output lengths.
@@ -21,6 +33,7 @@ import asyncio
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from minserve.bench.datasets import DATASET_NAMES, SYNTHETIC, get_samples
 from minserve.bench.metrics import DEFAULT_PERCENTILE_METRICS, METRIC_NAMES, parse_goodput
@@ -55,9 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--percentile-metrics", default=DEFAULT_PERCENTILE_METRICS,
                     help=f"comma list of {','.join(METRIC_NAMES)}")
     ap.add_argument("--metric-percentiles", default="99", help="comma list, e.g. 50,90,99")
-    ap.add_argument("--save-result", action="store_true")
-    ap.add_argument("--result-dir", default=None)
-    ap.add_argument("--result-filename", default=None)
+    ap.add_argument("--num-warmups", type=int, default=0,
+                    help="requests of the first prompt sent after the initial test run, unmeasured")
+    ap.add_argument("--save-result", action="store_true", help="write a JSON result file per rate")
+    ap.add_argument("--result-dir", default=None,
+                    help="where --save-result writes (default: the working directory)")
+    ap.add_argument("--result-filename", default=None,
+                    help="file name for --save-result (default: vLLM's {backend}-{rate}qps-...json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--disable-tqdm", action="store_true")
@@ -158,6 +175,17 @@ class _Runner:
         self.target = Target(api_url=base + endpoint, base_url=base, model=model,
                              chat=args.backend == "openai-chat", tokenizer_id=args.tokenizer or model)
 
+    def warm_up(self, req, opts: BenchOptions, count: int) -> list:
+        """``count`` unmeasured requests of ``req``; their RequestRecords."""
+        if self.args.backend == "inprocess":
+            from minserve.bench.inprocess import run_inprocess
+            res = run_inprocess(self.engine, [req] * count, max_concurrency=opts.max_concurrency,
+                                ignore_eos=opts.ignore_eos)
+            return [SimpleNamespace(success=bool(r.success), error=r.error)
+                    for r in res.requests.itertuples()]
+        from minserve.bench.client import warm_up
+        return asyncio.run(warm_up(self.target, req, opts.ignore_eos, count, opts.max_concurrency))
+
     def run(self, requests, opts: BenchOptions):
         if self.args.backend == "inprocess":
             from minserve.bench.inprocess import run_inprocess
@@ -170,8 +198,29 @@ class _Runner:
                                     self.args.metrics_interval))
 
 
+def initial_test_run(runner: _Runner, req, opts: BenchOptions, num_warmups: int) -> None:
+    """vLLM's initial single-prompt test run, then ``num_warmups`` more; nothing is measured."""
+    print("Starting initial single prompt test run...", flush=True)
+    rec, = runner.warm_up(req, opts, 1)
+    if not rec.success:
+        raise ValueError("Initial test run failed - please make sure the benchmark arguments "
+                         "(--base-url/--host/--port, --endpoint, --backend, --model, "
+                         f"$OPENAI_API_KEY) match the server. Error: {rec.error}")
+    print("Initial test run completed.", flush=True)
+    if num_warmups:
+        print(f"Warming up with {num_warmups} requests...", flush=True)
+        runner.warm_up(req, opts, num_warmups)  # their outcome does not matter, as in vLLM
+        print("Warmup run completed.", flush=True)
+    print("Starting main benchmark run...", flush=True)
+
+
 def run(args) -> list[dict]:
     rates = parse_rates(args.request_rate)
+    if args.num_warmups < 0:
+        raise ValueError(f"num_warmups must be >= 0, got {args.num_warmups}")
+    if not args.save_result and (args.result_dir or args.result_filename):
+        print("note: --result-dir/--result-filename only apply with --save-result; nothing is "
+              "written without it (as in vLLM)", file=sys.stderr)
     for r in rates:
         options(args, r)  # validate every flag before loading anything
     if not args.metrics_interval > 0:
@@ -183,6 +232,9 @@ def run(args) -> list[dict]:
         random_output_len=args.random_output_len, random_range_ratio=args.random_range_ratio,
         random_prefix_len=args.random_prefix_len, sharegpt_output_len=args.sharegpt_output_len,
         length_scale=args.length_scale)
+    if not requests:
+        raise ValueError("the dataset gave no requests; raise --num-prompts")
+    initial_test_run(runner, requests[0], options(args, rates[0]), args.num_warmups)
     summaries, sweep = [], len(rates) > 1
     for rate in rates:
         opts = options(args, rate)
@@ -190,7 +242,7 @@ def run(args) -> list[dict]:
               f"max concurrency: {opts.max_concurrency}", flush=True)
         result = runner.run(requests, opts)
         print(format_summary(result.summary, opts.metric_percentiles), flush=True)
-        if args.save_result or sweep:
+        if args.save_result:
             path = save_result(result.to_json(), _result_path(args, result.summary, sweep))
             print(f"saved {path}")
         summaries.append(result.summary)

@@ -46,6 +46,7 @@ class Target:
     model: str
     chat: bool = False      # openai-chat: messages in, delta.content out
     tokenizer_id: str = ""
+    api_key: str | None = None  # None: $OPENAI_API_KEY (see auth_headers)
 
 
 class SSEReader:
@@ -123,9 +124,14 @@ class _Stream:
         data = json.loads(event)
         if data.get("error"):
             raise RuntimeError(f"server error in stream: {data['error']}")
+        if data.get("id") and not self.rec.response_id:
+            self.rec.response_id = str(data["id"])
         usage = data.get("usage")
         if usage and usage.get("completion_tokens") is not None:
             self.rec.output_tokens = int(usage["completion_tokens"])
+        cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+        if cached is not None:
+            self.rec.cached_tokens = int(cached)
         out = _choice_output(data, self.chat)
         if out is None:
             return
@@ -177,17 +183,19 @@ async def send_request(client: httpx.AsyncClient, target: Target, req: SampleReq
     return rec
 
 
-def auth_headers() -> dict[str, str]:
-    """``Authorization: Bearer $OPENAI_API_KEY`` when set, as `vllm bench serve` sends it, so the
-    same command works against a server started with --api-key (for /metrics too)."""
-    key = os.environ.get("OPENAI_API_KEY")
+def auth_headers(api_key: str | None = None) -> dict[str, str]:
+    """``Authorization: Bearer <api_key>``, else ``Bearer $OPENAI_API_KEY`` when set, as `vllm
+    bench serve` sends it, so the same command works against a server started with --api-key
+    (for /metrics too). ``api_key`` is for callers that hold several keys in one process (a
+    workshop test playing four participants): an environment variable is one per process."""
+    key = api_key or os.environ.get("OPENAI_API_KEY")
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-async def fetch_model_id(base_url: str) -> str:
+async def fetch_model_id(base_url: str, api_key: str | None = None) -> str:
     """The first model the server lists at ``/v1/models`` (vLLM's default when --model is unset)."""
     try:
-        async with httpx.AsyncClient(timeout=30, headers=auth_headers()) as client:
+        async with httpx.AsyncClient(timeout=30, headers=auth_headers(api_key)) as client:
             resp = await client.get(f"{base_url}/v1/models")
             resp.raise_for_status()
             models = resp.json().get("data") or []
@@ -197,6 +205,20 @@ async def fetch_model_id(base_url: str) -> str:
     if not models:
         raise ValueError(f"{base_url}/v1/models lists no models; pass --model")
     return models[0]["id"]
+
+
+async def warm_up(target: Target, req: SampleRequest, ignore_eos: bool, count: int = 1,
+                  max_concurrency: int | None = None) -> list[RequestRecord]:
+    """Send ``req`` ``count`` times (at most ``max_concurrency`` at once) and return the records,
+    measured by nobody: the initial test run and ``--num-warmups`` of :mod:`minserve.bench.cli`."""
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+
+    async def one(client):
+        async with limit:
+            return await send_request(client, target, req, ignore_eos)
+
+    async with httpx.AsyncClient(timeout=TIMEOUT_S, headers=auth_headers(target.api_key)) as client:
+        return list(await asyncio.gather(*(one(client) for _ in range(count))))
 
 
 async def _dispatch(client, target, requests, opts: BenchOptions, pbar) -> list[RequestRecord]:
@@ -227,7 +249,7 @@ async def run_http(target: Target, requests: list[SampleRequest], opts: BenchOpt
     """One benchmark run at ``opts.request_rate``; returns vLLM's summary plus our frames."""
     from tqdm import tqdm
     limits = httpx.Limits(max_connections=opts.max_concurrency, max_keepalive_connections=None)
-    headers = auth_headers()
+    headers = auth_headers(target.api_key)
     async with httpx.AsyncClient(timeout=TIMEOUT_S, limits=limits, headers=headers) as client, \
             httpx.AsyncClient(timeout=max(metrics_interval_s, 5.0), headers=headers) as metrics_client:
         t0 = time.perf_counter()

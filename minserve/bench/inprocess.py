@@ -80,6 +80,9 @@ class _Run:
                 continue
             rec, comp = self.records[i], out.outputs[0]
             rec.prompt_len = len(out.prompt_token_ids)  # what the engine actually prefilled
+            rec.response_id = out.request_id
+            if getattr(out, "num_cached_tokens", None) is not None:
+                rec.cached_tokens = int(out.num_cached_tokens)
             if comp.token_ids:  # one emission, however many tokens the step appended
                 self.emissions.setdefault(i, []).append(now)
                 rec.output_tokens += len(comp.token_ids)

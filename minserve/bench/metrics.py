@@ -58,6 +58,12 @@ class RequestRecord:
     generated_text: str = ""
     success: bool = False
     error: str = ""
+    # Ours, not vLLM's: who answered and what the prefix cache gave. ``response_id`` is the
+    # server's completion id (the engine's request id in process); ``cached_tokens`` the prompt
+    # tokens served from the prefix cache (usage.prompt_tokens_details.cached_tokens), None when
+    # the server does not report it (vLLM only with --enable-prompt-tokens-details).
+    response_id: str = ""
+    cached_tokens: int | None = None
 
 
 @dataclass

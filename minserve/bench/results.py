@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 REQUEST_COLUMNS = ["request_id", "scenario", "scheduled_s", "send_s", "prompt_len",
                    "expected_output_len", "output_len", "ttft_s", "tpot_s", "itl_s", "e2el_s",
-                   "finish_s", "success", "error"]
+                   "finish_s", "success", "error", "response_id", "cached_tokens"]
 
 
 @dataclass
@@ -86,7 +86,8 @@ def requests_frame(records: list[RequestRecord], lens: list[int], t0: float) -> 
             "tpot_s": math.nan if tpot is None else tpot,
             "itl_s": list(rec.itl), "e2el_s": rec.latency if ok else math.nan,
             "finish_s": rec.start_time + rec.latency - t0 if ok else math.nan,
-            "success": ok, "error": rec.error})
+            "success": ok, "error": rec.error, "response_id": rec.response_id,
+            "cached_tokens": rec.cached_tokens})
     return pd.DataFrame(rows, columns=REQUEST_COLUMNS)
 
 
