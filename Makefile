@@ -4,6 +4,7 @@
 #   make labs-sync  rewrite each lab's .ipynb from its .py source (jupytext pairs, outputs cleared)
 #   make test    create .venv if needed, then run the pytest suite and every notebook
 #   make clean   remove the venv and build/test leftovers
+#   make vllm-venv  set up vLLM's CPU build in a venv of its own, outside the repository (tests/test_vllm_peer.py)
 #
 # PY picks the interpreter that creates the venv (Python >= 3.10), e.g. `make test PY=python3.12`.
 
@@ -20,7 +21,7 @@ TORCH_PIP_ARGS ?=
 
 JUPYTER_ARGS ?=
 
-.PHONY: venv lab labs-sync test clean
+.PHONY: venv lab labs-sync test clean vllm-venv
 
 venv: $(STAMP)
 
@@ -68,6 +69,13 @@ labs-sync: venv
 # so CI proves the solution and the measurement agree.
 test: venv
 	MINSERVE_LAB_CI=1 $(VPY) -m pytest -q tests labs --nbval-lax
+
+# vLLM's CPU build, the peer that tests/test_vllm_peer.py and benchmarks/bench_vs_vllm.py run
+# minserve against: its own venv (MINSERVE_VLLM_VENV, default ~/.cache/minserve/vllm-venv),
+# outside the repository so a fresh clone reuses it; never a dependency of .venv. The script keeps
+# a stamp there, so a second run is a no-op. `make clean` leaves it alone.
+vllm-venv:
+	PY="$(PY)" bash benchmarks/vllm_venv.sh
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache
