@@ -95,8 +95,13 @@ def test_the_initial_test_run_comes_first_and_is_not_counted(server, tmp_path, c
     assert len(posts) == 1 + 2 * NUM_PROMPTS  # one test run for the whole sweep, then each rate
     (_, test_end, test_body), timed = posts[0], posts[1:]
     assert all(start >= test_end for start, _, _ in timed)  # answered before any timed request
-    # The test run is the first prompt, exactly as the timed run sends it (vLLM's choice).
-    assert test_body in [body for _, _, body in timed]
+    # Fresh prompts for the test run and for each rate: none would find another's in the
+    # server's prefix cache (replayed prompts made the first rate of a sweep look the slowest).
+    first, second = ({body["prompt"] for _, _, body in timed[i:i + NUM_PROMPTS]} for i in (0, NUM_PROMPTS))
+    assert len(first) == len(second) == NUM_PROMPTS and not first & second
+    assert test_body["prompt"] not in first | second
+    same_but_prompt = lambda body: {k: v for k, v in body.items() if k != "prompt"}  # noqa: E731
+    assert same_but_prompt(test_body) == same_but_prompt(timed[0][2])  # a request like the others
     for f in tmp_path.glob("*.json"):
         res = json.loads(f.read_text())
         assert res["completed"] == NUM_PROMPTS and len(res["requests"]) == NUM_PROMPTS

@@ -13,11 +13,14 @@ missing key, a server still loading) stops the command with "Initial test run fa
 server's own error, instead of a table of failures; and a server that just started pays its cold
 start (first allocations, kernel compilation, lazy imports) there, not in the first measured
 request. ``--num-warmups N`` (vLLM's flag) sends that prompt N more times. Neither counts in any
-result. One consequence, the same as vLLM's: with prefix caching on, the first measured request
-finds the test prompt cached.
+result. Where we differ from vLLM: its test prompt is the first measured prompt, which a server
+with prefix caching then serves from its cache; ours is a prompt of the same dataset drawn apart
+(seed + number of rates), so no measured request finds it cached.
 
 A comma list of rates runs one benchmark per rate, all after the one test run (the server stays
-warm between rates), then prints a table. Result files are written only with ``--save-result``,
+warm between rates), then prints a table. Rate k draws its prompts with ``--seed`` + k: the same
+workload, fresh prompts, since with the very same prompts every rate after the first would be
+served from the prefix cache (one rate alone uses ``--seed``, as before). Result files are written only with ``--save-result``,
 as vLLM does: in ``--result-dir`` (default: the working directory), named
 ``--result-filename`` (default vLLM's ``{backend}-{rate}qps[-concurrencyN]-{model}-{date}.json``;
 in a sweep the rate is added to a given name, one file per rate). Our additions to vLLM's flags: the scenario datasets (qa, rag, code, agent, mix) with
@@ -226,21 +229,27 @@ def run(args) -> list[dict]:
     if not args.metrics_interval > 0:
         raise ValueError(f"metrics_interval must be > 0 seconds, got {args.metrics_interval}")
     runner = _Runner(args)
-    requests = get_samples(
-        args.dataset_name, runner.tokenizer, args.num_prompts, args.seed,
-        dataset_path=args.dataset_path, random_input_len=args.random_input_len,
-        random_output_len=args.random_output_len, random_range_ratio=args.random_range_ratio,
-        random_prefix_len=args.random_prefix_len, sharegpt_output_len=args.sharegpt_output_len,
-        length_scale=args.length_scale)
-    if not requests:
-        raise ValueError("the dataset gave no requests; raise --num-prompts")
-    initial_test_run(runner, requests[0], options(args, rates[0]), args.num_warmups)
+
+    def prompts(seed: int, n: int):
+        return get_samples(
+            args.dataset_name, runner.tokenizer, n, seed, dataset_path=args.dataset_path,
+            random_input_len=args.random_input_len, random_output_len=args.random_output_len,
+            random_range_ratio=args.random_range_ratio, random_prefix_len=args.random_prefix_len,
+            sharegpt_output_len=args.sharegpt_output_len, length_scale=args.length_scale)
+
+    # Rate k draws its prompts with seed + k, and the test run a prompt of its own (seed + the
+    # number of rates): replaying one set of prompts, every rate after the first (and the first
+    # measured request, with vLLM's choice of test prompt) would find its prompts in the server's
+    # prefix cache and skip their prefill. That, more than the server's cold start, is what made
+    # the lightest rate of a sweep look the slowest.
+    initial_test_run(runner, prompts(args.seed + len(rates), 1)[0], options(args, rates[0]),
+                     args.num_warmups)
     summaries, sweep = [], len(rates) > 1
-    for rate in rates:
+    for k, rate in enumerate(rates):
         opts = options(args, rate)
         print(f"Traffic request rate: {rate}  burstiness: {opts.burstiness}  "
-              f"max concurrency: {opts.max_concurrency}", flush=True)
-        result = runner.run(requests, opts)
+              f"max concurrency: {opts.max_concurrency}  prompts: seed {args.seed + k}", flush=True)
+        result = runner.run(prompts(args.seed + k, args.num_prompts), opts)
         print(format_summary(result.summary, opts.metric_percentiles), flush=True)
         if args.save_result:
             path = save_result(result.to_json(), _result_path(args, result.summary, sweep))
