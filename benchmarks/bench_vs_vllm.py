@@ -1,0 +1,294 @@
+"""minserve against vLLM's CPU build, side by side on this machine.
+
+Same model folder (the Hugging Face directory minserve converts the default model into), same
+prompt token ids, same scheduler limits, same cores, greedy decoding with ``ignore_eos`` so every
+engine produces exactly the requested tokens. Three measurements per engine:
+
+1. a mixed offline workload (prompts 16-768 tokens, outputs 8-256, lognormal: mostly short, a long
+   tail), all submitted at once: useful output tokens per second (the requested tokens only);
+2. batch-1 decode: ``(n - 1) / (t(n tokens) - t(1 token))``, the same subtraction for every engine,
+   so prefill and per-call overhead cancel;
+3. prefill: 1024-token prompts one at a time, one output token each: prompt tokens per second.
+
+Engines: minserve fp32 / int8 / int4 in this process (``EngineConfig.quantization``), vLLM fp32 /
+bf16 each in a long-lived worker subprocess of vLLM's venv (``make vllm-venv``) that holds one
+``vllm.LLM``. Runs alternate (engine after engine, the order rotated each round) and every figure
+is the median over rounds: a noisy neighbour on a shared 2-core box then hurts all engines alike.
+
+Threads: vLLM's CPU build by default pins its OpenMP threads to all cores but one ("reserved" for
+the server's other work); here it is given every core (``VLLM_CPU_OMP_THREADS_BIND=0-N``), as
+minserve's torch is, so the comparison is core for core.
+
+    .venv/bin/python benchmarks/bench_vs_vllm.py                      # issue 21's sizes (~25 min idle)
+    .venv/bin/python benchmarks/bench_vs_vllm.py --num-requests 24 --runs 3
+    .venv/bin/python benchmarks/bench_vs_vllm.py --quick              # smoke run (a few minutes)
+
+The same file is the vLLM worker (``--vllm-worker``, run with vLLM's python): that path imports
+only vLLM and the standard library, since minserve is not installed in vLLM's venv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ENGINES = ("minserve-fp32", "minserve-int8", "minserve-int4", "vllm-fp32", "vllm-bf16")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma list of {', '.join(ENGINES)}")
+    ap.add_argument("--num-requests", type=int, default=None, help="mixed workload size (48; quick: 8)")
+    ap.add_argument("--decode-tokens", type=int, default=None, help="batch-1 output tokens (128; quick: 32)")
+    ap.add_argument("--prefill-prompts", type=int, default=None, help="1024-token prompts per round (3; quick: 1)")
+    ap.add_argument("--prefill-len", type=int, default=1024)
+    ap.add_argument("--runs", type=int, default=None, help="alternating rounds, medians over them (3; quick: 1)")
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache per engine (VLLM_CPU_KVCACHE_SPACE)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/vs_vllm.json")
+    ap.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    for name, full, quick in (("num_requests", 48, 8), ("decode_tokens", 128, 32),
+                              ("prefill_prompts", 3, 1), ("runs", 3, 1)):
+        if getattr(a, name) is None:
+            setattr(a, name, quick if a.quick else full)
+    a.prompt_range, a.output_range = ((16, 128), (8, 32)) if a.quick else ((16, 768), (8, 256))
+    return a
+
+
+# ---- the vLLM worker (runs under vLLM's python) -------------------------------------------------
+
+def vllm_worker(args) -> None:
+    """One ``vllm.LLM``; reads jobs as JSON lines on stdin, answers each with one JSON line."""
+    # vLLM logs to stdout; the answers get a private copy of it and everything else goes to stderr.
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=args.model_dir, dtype=args.dtype, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              enforce_eager=True, enable_prefix_caching=False, seed=args.seed)
+    answers.write(json.dumps({"ready": True, "vllm": vllm.__version__, "torch": torch.__version__}) + "\n")
+    for line in sys.stdin:
+        job = json.loads(line)
+        if job.get("op") == "quit":
+            break
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in job["max_tokens"]]
+        prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        answers.write(json.dumps({"seconds": seconds,
+                                  "tokens": [list(o.outputs[0].token_ids) for o in outs]}) + "\n")
+
+
+class VllmEngine:
+    """A worker subprocess holding one ``vllm.LLM``; ``run`` times one ``generate`` there."""
+
+    def __init__(self, name: str, dtype: str, args, model_dir: Path, log_dir: Path):
+        sys.path.insert(0, str(HERE.parent / "tests"))
+        from vllm_peer import vllm_env, vllm_venv, vllm_venv_dir
+        python = vllm_venv()
+        if python is None:
+            raise SystemExit(f"no vLLM venv at {vllm_venv_dir()}: run `make vllm-venv`, or leave the "
+                             "vllm-* engines out of --engines")
+        self.name = name
+        cores = os.cpu_count() or 1
+        env = vllm_env(python, VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib),
+                       VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}")
+        self.log_path = log_dir / f"{name}.log"
+        cmd = [str(python), str(Path(__file__).resolve()), "--vllm-worker", "--dtype", dtype,
+               "--model-dir", str(model_dir), "--max-model-len", str(args.max_model_len),
+               "--max-num-seqs", str(args.max_num_seqs),
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--seed", str(args.seed)]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                         env=env, text=True, start_new_session=True)
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
+            raise RuntimeError(f"{self.name}: the vLLM worker exited; log {self.log_path}:\n{tail}")
+        return json.loads(line)
+
+    def run(self, prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, list[list[int]]]:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        ans = self._read()
+        return ans["seconds"], ans["tokens"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write('{"op": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(60)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                import signal
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+class MinserveEngine:
+    def __init__(self, name: str, quantization: str | None, args):
+        from minserve import LLM
+        self.name = name
+        self.llm = LLM("smollm2-135m", quantization=quantization, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_model_len=args.max_model_len, kv_cache_memory=f"{args.kv_cache_gib}GiB",
+                       enable_prefix_caching=False, seed=args.seed)
+        self.info = {"quantization": quantization}
+
+    def run(self, prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, list[list[int]]]:
+        from minserve import SamplingParams
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        t0 = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+
+    def close(self) -> None:
+        pass
+
+
+def make_engine(name: str, args, model_dir: Path, log_dir: Path):
+    kind, fmt = name.split("-", 1)
+    if kind == "vllm":
+        return VllmEngine(name, {"fp32": "float32", "bf16": "bfloat16"}[fmt], args, model_dir, log_dir)
+    return MinserveEngine(name, None if fmt == "fp32" else fmt, args)
+
+
+# ---- the three measurements ---------------------------------------------------------------------
+
+def mixed(engine, work) -> dict:
+    seconds, tokens = engine.run([w["prompt_token_ids"] for w in work], [w["max_tokens"] for w in work])
+    useful = sum(w["max_tokens"] for w in work)
+    assert [len(t) for t in tokens] == [w["max_tokens"] for w in work], f"{engine.name}: short outputs"
+    return {"seconds": seconds, "tok_s": useful / seconds, "tokens": tokens}
+
+
+def decode(engine, prompt: list[int], n: int) -> float:
+    t_n, _ = engine.run([prompt], [n])
+    t_1, _ = engine.run([prompt], [1])
+    return (n - 1) / (t_n - t_1)
+
+
+def prefill(engine, prompts: list[list[int]]) -> float:
+    rates = [len(p) / engine.run([p], [1])[0] for p in prompts]
+    return statistics.median(rates)
+
+
+def workloads(args, tokenizer):
+    import numpy as np
+
+    from bench_offline import corpus_tokens, lognormal_lengths
+    rng = np.random.default_rng(args.seed)
+    ids = corpus_tokens(tokenizer)
+    p_lens = lognormal_lengths(rng, args.num_requests, *args.prompt_range)
+    o_lens = lognormal_lengths(rng, args.num_requests, *args.output_range)
+    # One start per mixed request, one for the decode prompt, one per prefill prompt.
+    starts = rng.integers(0, len(ids) - max(max(p_lens), args.prefill_len),
+                          args.num_requests + 1 + args.prefill_prompts)
+    work = [{"prompt_token_ids": ids[s:s + p], "max_tokens": o} for s, p, o in zip(starts, p_lens, o_lens)]
+    decode_prompt = ids[starts[args.num_requests]:starts[args.num_requests] + 32]
+    long_prompts = [ids[s:s + args.prefill_len] for s in starts[args.num_requests + 1:]]
+    return work, decode_prompt, long_prompts
+
+
+def leading_agreement(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def markdown(res: dict) -> str:
+    rows = ["| | mixed (useful tok/s) | batch-1 decode (tok/s) | prefill (tok/s, "
+            f"{res['args']['prefill_len']}-token prompts) |", "| --- | --- | --- | --- |"]
+    for name, r in res["engines"].items():
+        rows.append(f"| {name.replace('-', ' ')} | {r['mixed_tok_s']:.1f} | {r['decode_tok_s']:.1f} | "
+                    f"{r['prefill_tok_s']:.0f} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.vllm_worker:
+        vllm_worker(args)
+        return
+    import tempfile
+
+    sys.path.insert(0, str(HERE))
+    from bench_offline import machine_info
+    from minserve.models.loader import load_tokenizer, resolve_model_dir
+
+    names = [n.strip() for n in args.engines.split(",") if n.strip()]
+    bad = [n for n in names if n not in ENGINES]
+    if bad:
+        raise SystemExit(f"--engines must name only {', '.join(ENGINES)}, got {bad}")
+    model_dir = resolve_model_dir("smollm2-135m")
+    work, decode_prompt, long_prompts = workloads(args, load_tokenizer(model_dir))
+    log_dir = Path(tempfile.mkdtemp(prefix="minserve-vs-vllm-"))
+    load_start = os.getloadavg()
+    engines = {}
+    try:
+        for name in names:
+            print(f"starting {name} ...", flush=True)
+            engines[name] = make_engine(name, args, model_dir, log_dir)
+            # Warm-up: first allocations, thread pools, vLLM's first-batch paths.
+            engines[name].run([w["prompt_token_ids"] for w in work[:4]], [8] * min(4, len(work)))
+            engines[name].run([long_prompts[0]], [2])
+        per = {n: {"mixed_tok_s": [], "decode_tok_s": [], "prefill_tok_s": []} for n in names}
+        tokens = {}
+        for r in range(args.runs):
+            order = names[r % len(names):] + names[:r % len(names)]  # rotate: no engine always first
+            for name in order:
+                e = engines[name]
+                m = mixed(e, work)
+                tokens[name] = m["tokens"]
+                per[name]["mixed_tok_s"].append(m["tok_s"])
+                per[name]["decode_tok_s"].append(decode(e, decode_prompt, args.decode_tokens))
+                per[name]["prefill_tok_s"].append(prefill(e, long_prompts))
+                print(f"round {r + 1}/{args.runs} {name}: mixed {m['tok_s']:.1f} tok/s, decode "
+                      f"{per[name]['decode_tok_s'][-1]:.1f} tok/s, prefill "
+                      f"{per[name]['prefill_tok_s'][-1]:.0f} tok/s", flush=True)
+    finally:
+        infos = {n: e.info for n, e in engines.items()}
+        for e in engines.values():
+            e.close()
+    res = {"args": {k: v for k, v in vars(args).items() if k not in ("vllm_worker", "dtype", "model_dir")},
+           "machine": machine_info(), "model_dir": str(model_dir), "engine_info": infos,
+           "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+           "workload": {"num_requests": len(work), "prompt_tokens": sum(len(w["prompt_token_ids"]) for w in work),
+                        "useful_output_tokens": sum(w["max_tokens"] for w in work)},
+           "engines": {n: {**{k: statistics.median(v) for k, v in per[n].items()},
+                           **{f"{k}_runs": v for k, v in per[n].items()}} for n in names}}
+    if "minserve-fp32" in tokens and "vllm-fp32" in tokens:
+        a, b = tokens["minserve-fp32"], tokens["vllm-fp32"]
+        res["greedy_fp32_identical"] = sum(x == y for x, y in zip(a, b))
+        res["greedy_fp32_leading_agreement"] = [leading_agreement(x, y) for x, y in zip(a, b)]
+    res["markdown"] = markdown(res)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+    print("\n" + res["markdown"])
+    if "greedy_fp32_identical" in res:
+        print(f"\nminserve fp32 and vLLM fp32 greedy outputs identical on {res['greedy_fp32_identical']}"
+              f"/{len(work)} mixed requests")
+    print(f"\nresults: {out}")
+
+
+if __name__ == "__main__":
+    main()
