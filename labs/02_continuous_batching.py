@@ -44,6 +44,13 @@
 # times the requests and the seats, and longer prompts and answers, sized for a GPU; its run time
 # there has not been measured yet.
 #
+# **Against a server** (`MINSERVE_LAB_TARGET=http://host:port`, see the README's labs section):
+# sections 2 and 4 (the workload; runs A, B and the load sweep C, exercise 3's knee) and the
+# explore panel run over HTTP, on the server's own seats (its `max_num_seqs`; the lab asks for
+# `SEATS` but cannot set it), with queue times unknown to a client. Section 3 (static batching's
+# gate, step records, exercises 1 and 2) and exercise 4 (queue and prefill times) need the
+# engine in this notebook, and are skipped with one line each.
+#
 # **Prerequisites:** [Lab 01](01_prefill_vs_decode.ipynb) (prefill and decode, and how the cost of a
 # decode step grows with the number of requests in it).
 #
@@ -94,11 +101,14 @@ llm = lab.engine_for(P, max_num_seqs=SEATS, enable_prefix_caching=False,
                      warm_prompts=[LONGEST_PROMPT, SEATS * LONGEST_PROMPT],
                      warm_batches=range(1, SEATS + 1))
 tok = llm.get_tokenizer()
-cfg = llm.llm_engine.config
 print(P.describe())
+lab01 = lab.load_baseline("01")
+
+# %%
+# needs the engine: the engine's configuration (seats, step budget, KV pool)
+cfg = llm.llm_engine.config
 print(f"engine: max_num_seqs={cfg.max_num_seqs} seats, max_num_batched_tokens="
       f"{cfg.max_num_batched_tokens} tokens per step, {llm.llm_engine.kv_spec.num_blocks} KV blocks")
-lab01 = lab.load_baseline("01")
 
 # %% [markdown]
 # ## 2. A mixed workload
@@ -115,9 +125,6 @@ lab01 = lab.load_baseline("01")
 reqs = lab.mixed_requests(tok, N, LONGEST_PROMPT, LONGEST_ANSWER, seed=0)
 outs = [r.expected_output_len for r in reqs]
 prompts = [r.prompt_len for r in reqs]
-# Each static batch's prompts are prefilled in one step (Exercise 1 relies on it).
-assert all(sum(prompts[i:i + SEATS]) <= cfg.max_num_batched_tokens for i in range(0, N, SEATS))
-
 batch_of = [i // SEATS for i in range(N)]
 fig, ax = plt.subplots(figsize=(9, 3.2))
 ax.bar(range(N), outs, color=[plt.cm.tab10(b % 10) for b in batch_of])
@@ -129,6 +136,11 @@ ax.set(xlabel="request (in arrival order; colour: its static batch)", ylabel="ou
 plt.show()
 print(f"{N} requests, {sum(outs)} output tokens in all: median answer {int(np.median(outs))} "
       f"tokens, longest {max(outs)}; prompts of {min(prompts)} to {max(prompts)} tokens.")
+
+# %%
+# needs the engine: the engine's configuration (its step budget)
+# Each static batch's prompts are prefilled in one step (Exercise 1 relies on it).
+assert all(sum(prompts[i:i + SEATS]) <= cfg.max_num_batched_tokens for i in range(0, N, SEATS))
 
 # %% [markdown]
 # ## 3. Static and continuous batching
@@ -146,12 +158,15 @@ print(f"{N} requests, {sum(outs)} output tokens in all: median answer {int(np.me
 # seat busy until the queue runs dry. In the timelines below, grey is time spent waiting for a seat.
 
 # %%
+# needs the engine: a static-batching gate in front of the engine, and its step records (section 3)
 static = lab.run_static(llm, reqs, SEATS, name="static batching")
 
 # %%
+# needs the engine: a static-batching gate in front of the engine, and its step records (section 3)
 continuous = lab.run_workload(llm, reqs, name="continuous batching")
 
 # %%
+# needs the engine: a static-batching gate in front of the engine, and its step records (section 3)
 fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 8), sharex=True, layout="constrained")
 lab.request_timeline(static, ax=ax1, title="static: a batch ends when its longest answer ends")
 lab.request_timeline(continuous, ax=ax2, title="continuous: a free seat is refilled at the next step")
@@ -163,6 +178,7 @@ plt.show()
 # computes nothing in a step is capacity thrown away.
 
 # %%
+# needs the engine: a static-batching gate in front of the engine, and its step records (section 3)
 s_use, c_use = lab.seat_use(static, SEATS), lab.seat_use(continuous, SEATS)
 fewer_empty = c_use["empty_share"] < s_use["empty_share"]
 fig, ax = plt.subplots(figsize=(9, 3.2))
@@ -183,10 +199,12 @@ plt.show()
 # takes *n* steps when its prompt fits in one step. The check counts the steps in the run's records.
 
 # %%
+# needs the engine: a static-batching gate in front of the engine, and its step records (section 3)
 print(f"outs = {outs}; SEATS = {SEATS}")
 static_steps = None  # your answer: a number of steps
 
 # %%
+# needs the engine: a static-batching gate in front of the engine, and its step records (section 3)
 q1 = ex.q1_static_steps(outs, SEATS, s_use["steps"])
 q1.check(static_steps)
 # q1.hint()
@@ -198,9 +216,11 @@ q1.check(static_steps)
 # fraction of the seat-steps did the static run leave **empty**? (A number between 0 and 1.)
 
 # %%
+# needs the engine: a static-batching gate in front of the engine, and its step records (section 3)
 empty_share = None  # your answer: a fraction between 0 and 1
 
 # %%
+# needs the engine: a static-batching gate in front of the engine, and its step records (section 3)
 q2 = ex.q2_empty_seats(static, continuous, SEATS, outs)
 q2.check(empty_share)
 # q2.hint()
@@ -212,6 +232,7 @@ q2.check(empty_share)
 # The step counts are exact: they would be the same on any machine, busy or not.
 
 # %%
+# needs the engine: a static-batching gate in front of the engine, and its step records (section 3)
 step_ms = {run.name: 1000 * run.steps.step_time_s.mean() for run in (static, continuous)}
 per_step = {run.name: float(run.steps.batch.mean()) for run in (static, continuous)}
 for run, use in ((static, s_use), (continuous, c_use)):
@@ -237,6 +258,7 @@ steps_lesson = lab.lesson(
 # more pairs are run below, the two sides alternating, and the lesson is judged on the median.
 
 # %%
+# needs the engine: a static-batching gate in front of the engine, and its step records (section 3)
 with lab.LoadProbe() as pairs_probe:
     pairs = [(static, continuous)] + ex.alternate(llm, reqs, SEATS, repeats=2)
 pairs_table = ex.batching_table(pairs)
@@ -384,8 +406,10 @@ ax.legend(loc="upper left")
 plt.show()
 light_load = float(offered.min())
 whole = float(table.loc[light_load, "whole-run req/s"])
+waited_ms = table.loc[light_load, "median queue (ms)"]   # unknown over HTTP: a client sees no admission
 print(f"At the lightest load, {light_load:.2f} requests/s, the median request waited "
-      f"{table.loc[light_load, 'median queue (ms)']:.1f} ms for a seat and the engine achieved "
+      + (f"{waited_ms:.1f} ms" if np.isfinite(waited_ms) else "an unknown time (not visible over HTTP)")
+      + f" for a seat and the engine achieved "
       f"{table.loc[light_load, 'achieved req/s']:.2f} requests/s. Counted as finished requests over the "
       f"whole run, drain included, the same run reads {whole:.2f} requests/s "
       f"({whole / light_load:.0%} of the load offered).")
@@ -438,6 +462,7 @@ knee_lesson = lab.lesson(
 # machine a whole run can be slowed down by other programs, which stretches every part alike.)
 
 # %%
+# needs the engine: the engine's queue and prefill times (its request records)
 light = sweep[min(sweep)].requests
 heavy = sweep[max(sweep)].requests
 shares = ex.latency_shares(light, heavy)
@@ -445,6 +470,7 @@ display(shares.round(3))
 where = None  # your answer: "queue", "prefill" or "decode"
 
 # %%
+# needs the engine: the engine's queue and prefill times (its request records)
 q4 = ex.q4_where_it_goes(light, heavy, SEATS)
 q4.check(where)
 # q4.hint()
@@ -473,6 +499,7 @@ panel = lab.control_panel(run=lab.run_mixed, preset=P, engine=llm,
 panel
 
 # %%
+# needs the engine: a static-batching gate in front of the engine
 explore = lab.run_mixed(P, batching="static", num_requests=SEATS, prompt_tokens=LONGEST_PROMPT,
                         output_tokens=16, max_num_seqs=SEATS, enable_prefix_caching=False,
                         live=False)  # the notebook's engine: same arguments
@@ -486,10 +513,6 @@ baseline = {
     "seats": SEATS,
     "requests": N,
     "output_tokens": int(sum(outs)),
-    "static": {"steps": s_use["steps"], "empty_seat_share": round(s_use["empty_share"], 3),
-               **static.key_numbers()},
-    "continuous": {"steps": c_use["steps"], "empty_seat_share": round(c_use["empty_share"], 3),
-                   **continuous.key_numbers()},
     "capacity_req_per_s": round(CAPACITY, 3),
     "capacity_calibration": cal.as_dict(),
     "run_A": row(A),
@@ -497,8 +520,17 @@ baseline = {
     "sweep": {f"{rate:g}": {k: round(float(v), 2) for k, v in r.items()} for rate, r in table.iterrows()},
     "knee_req_per_s": None if math.isnan(knee_rate) else knee_rate,
 }
+
+# %%
+# needs the engine: the engine's records of section 3
+baseline["static"] = {"steps": s_use["steps"], "empty_seat_share": round(s_use["empty_share"], 3),
+                      **static.key_numbers()}
+baseline["continuous"] = {"steps": c_use["steps"], "empty_seat_share": round(c_use["empty_share"], 3),
+                          **continuous.key_numbers()}
+
+# %%
 baseline_path = lab.record_baseline("02", baseline)
-if lab01:
+if lab01 and "continuous" in baseline:   # section 3 ran (in process)
     b4 = lab01["decode_tok_per_s_by_batch"].get(str(SEATS))
     if b4:
         print(f"\nLab 01 decoded {b4:.0f} tokens/s with {SEATS} requests in every step; continuous "

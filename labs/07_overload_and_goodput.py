@@ -48,6 +48,12 @@
 # with the evidence, or "Lesson NOT shown in this run" with the cause it measured (other processes'
 # CPU use, the spread of the calibration, a change of the machine's speed) and how to get a clean run.
 #
+# **Against a server** (`MINSERVE_LAB_TARGET=http://host:port`, see the README's labs section):
+# sections 1 and 2 (service time, the load sweep, exercises 1 and 2) and the explore panel (7) run
+# against that server as it is, with its own seats and admission policy. Sections 3 to 6 compare
+# admission policies, deadline models and class budgets on servers this notebook starts with each
+# setting, which a client of a shared server cannot change: they are skipped with one line each.
+#
 # **Prerequisites:** [Lab 00](00_tour.ipynb) and [Lab 01](01_prefill_vs_decode.ipynb) (TTFT, TPOT,
 # batching); the README's [serving over HTTP](../README.md#serving-over-http) section.
 #
@@ -159,6 +165,8 @@ print(f"SLO for this lab: {SLO}. A user gives up after {PATIENCE_S:.1f} s.")
 BOUNDED = AdmissionConfig(interactive=ClassLimits(max_queued_requests=SEATS),
                           batch=ClassLimits(max_queued_requests=SEATS))
 POLICIES = {"none": OPEN, "bounded queue": BOUNDED}
+if not lab.needs_engine("a server per admission policy, started here"):
+    POLICIES = {"none": OPEN}   # a shared server: its own policy only ("none" in the tables below)
 MULTS = P.pick(quick=[0.5, 1.0, 2.0, 4.0], full=[0.5, 1.0, 1.5, 2.0, 3.0, 4.0])
 WINDOW_S = P.pick(quick=2, full=6) * service_s   # arrivals per step, in service times
 
@@ -257,6 +265,7 @@ q2.check(knee_rate)
 # seat), so its goodput should stay near the capacity instead of collapsing.
 
 # %%
+# needs the engine: a server with a bounded waiting room, started here (section 3)
 bounded = table[table.admission == "bounded queue"].set_index("offered (req/s)").drop(columns="admission")
 gp_open, gp_bounded = float(sweep.loc[top, "goodput (req/s)"]), float(bounded.loc[top, "goodput (req/s)"])
 keeps = gp_bounded > gp_open
@@ -285,6 +294,7 @@ bounded
 # (the dashed line is the TTFT objective), what each request got, and the server's queue.
 
 # %%
+# needs the engine: a server with a bounded waiting room, started here (section 3)
 top_mult = MULTS[-1]
 results[(top_mult, "none")].show()
 results[(top_mult, "bounded queue")].show()
@@ -296,6 +306,7 @@ results[(top_mult, "bounded queue")].show()
 # used the server's time while it waited.
 
 # %%
+# needs the engine: a server with a bounded waiting room, started here (section 3)
 shed_run = results[(top_mult, "bounded queue")].requests
 open_run = results[(top_mult, "none")].requests
 shed = shed_run[shed_run.outcome == "shed"]
@@ -323,6 +334,7 @@ print("One refusal, as the client saw it:", shed.error.iloc[0] if len(shed) else
 # sooner.
 
 # %%
+# needs the engine: two servers with different admission policies, started here (section 4)
 BURST = 6 * SEATS                   # six service times of work, all at once
 AFTER = P.pick(quick=12, full=16)   # then one request every half service time
 burst_reqs = lab.make_requests(tok, IN_TOKENS, OUT_TOKENS, num_requests=BURST, seed=31)
@@ -339,6 +351,7 @@ with lab.LoadProbe() as burst_probe:
 
 
 # %%
+# needs the engine: two servers with different admission policies, started here (section 4)
 def recovered_at(res):
     # The send time of the first later request from which on every one met the SLO.
     r = res.requests.query("label == 'later'").sort_values("send_s")
@@ -394,6 +407,7 @@ for p in rec:
 # this machine's speed.
 
 # %%
+# needs the engine: servers started here with a deadline model and class budgets (sections 5 and 6)
 srv = lab.local_server.serve(llm, admission=AdmissionConfig())   # default budgets, deadlines on
 tr.offer(srv.base_url, tr.calls(lab.make_requests(tok, IN_TOKENS, OUT_TOKENS, num_requests=2 * SEATS,
                                                   seed=41)), live=False)   # let it measure p and d
@@ -408,10 +422,12 @@ print(f"The server is idle now. Its model: p = {p_s_per_token * 1000:.3g} ms per
 # predict for it?
 
 # %%
+# needs the engine: servers started here with a deadline model and class budgets (sections 5 and 6)
 print(f"prompt tokens = {IN_TOKENS}, max_tokens = {OUT_TOKENS}")
 predicted_ms = None  # your answer, in ms
 
 # %%
+# needs the engine: servers started here with a deadline model and class budgets (sections 5 and 6)
 from minserve.server.admission import Ticket
 
 model_s = srv.admission.predict_s(Ticket("you", "interactive", IN_TOKENS, OUT_TOKENS))
@@ -425,6 +441,7 @@ q3.check(predicted_ms)
 # it (not streamed, so the status code is the whole story):
 
 # %%
+# needs the engine: servers started here with a deadline model and class budgets (sections 5 and 6)
 def ask(deadline_ms):
     r = httpx.post(f"{srv.base_url}/v1/completions", timeout=120,
                    headers={"x-deadline-ms": f"{deadline_ms:.0f}"},
@@ -457,6 +474,7 @@ print(f"With a deadline of half the prediction the request was "
 # others are still waiting for a seat when the deadline passes, half a service time in, and expire.
 
 # %%
+# needs the engine: servers started here with a deadline model and class budgets (sections 5 and 6)
 optimist = AdmissionConfig(prior_prefill_s_per_token=1e-6, prior_decode_s_per_step=1e-4,
                            ewma_alpha=1e-9)   # rates pinned at the priors for the demo
 DEADLINE_MS = round(500 * service_s)          # half a service time: only the seated can start
@@ -498,6 +516,7 @@ deadline_lesson = lab.lesson(
 # stay near the objective.
 
 # %%
+# needs the engine: servers started here with a deadline model and class budgets (sections 5 and 6)
 CLASSES = AdmissionConfig(interactive=ClassLimits(max_queued_requests=2 * SEATS),
                           batch=ClassLimits(max_queued_requests=2))
 FLOOD_S = P.pick(quick=2, full=6) * service_s      # the flood lasts this long ...
@@ -516,6 +535,7 @@ with lab.LoadProbe() as flood_probe:
                                name=f"batch flood, {name}")
 
 # %%
+# needs the engine: servers started here with a deadline model and class budgets (sections 5 and 6)
 p90 = {name: 1000 * res.requests.query("label == 'interactive' and outcome == 'ok'").ttft_s.quantile(0.9)
        for name, res in flood.items()}
 protected = bool(p90["per-class budgets"] < p90["shared waiting room"])
@@ -545,9 +565,11 @@ classes_lesson = lab.lesson(
 # `"interactive"`, `"batch"`, `"both"` or `"neither"`?
 
 # %%
+# needs the engine: servers started here with a deadline model and class budgets (sections 5 and 6)
 shed_class = None  # your answer
 
 # %%
+# needs the engine: servers started here with a deadline model and class budgets (sections 5 and 6)
 q4 = ex.q4_shed_class(flood["per-class budgets"].counts())
 q4.check(shed_class)
 # q4.hint()
@@ -589,9 +611,14 @@ baseline = {
                        for _, r in table[table.admission == policy].iterrows()}
               for policy in POLICIES},
     "knee_rps": float(sweep["goodput (req/s)"].idxmax()),
-    "recovered_at_s": {p: (None if math.isinf(t) else round(t, 2)) for p, t in rec.items()},
-    "interactive_p90_ttft_ms": {k: round(v, 1) for k, v in p90.items()},
 }
+
+# %%
+# needs the engine: the records of sections 4 and 6
+baseline["recovered_at_s"] = {p: (None if math.isinf(t) else round(t, 2)) for p, t in rec.items()}
+baseline["interactive_p90_ttft_ms"] = {k: round(v, 1) for k, v in p90.items()}
+
+# %%
 baseline_path = lab.record_baseline("07", baseline)
 tpot_by_batch = (lab01 or {}).get("tpot_ms_by_batch", {})
 if str(SEATS) in tpot_by_batch:

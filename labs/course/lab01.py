@@ -187,7 +187,10 @@ def describe_fit(requests, load=None) -> str:
 # ---- section 2: TPOT against the running batch ---------------------------------------------------
 
 def decode_rate_from_steps(run) -> float:
-    """Output tokens per second over the run's decode-only steps (the engine's own step records)."""
+    """Output tokens per second over the run's decode-only steps (the engine's own step records);
+    NaN over HTTP, where no step records exist."""
+    if run.steps is None:
+        return float("nan")
     st = run.steps
     dec = st[(st.num_prefill_tokens == 0) & (st.num_decode_tokens > 0)]
     # Tokens produced: one per decoding request, plus the proposals the model accepted.

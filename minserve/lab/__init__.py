@@ -13,7 +13,8 @@ Typical lab cell sequence::
     lab.record_baseline("01", run.key_numbers())      # labs/results/01.json
 
 Modules: :mod:`~minserve.lab.presets` (quick | full, CI flag), :mod:`~minserve.lab.session`
-(setup, one engine at a time), :mod:`~minserve.lab.workload` (requests, runs, RunResult),
+(setup, one engine at a time), :mod:`~minserve.lab.target` (the engine here, or a server:
+``MINSERVE_LAB_TARGET``, ``lab.needs_engine``), :mod:`~minserve.lab.workload` (requests, runs, RunResult),
 :mod:`~minserve.lab.live` (in-place figure and progress), :mod:`~minserve.lab.timeline`,
 :mod:`~minserve.lab.correlate`, :mod:`~minserve.lab.controls` (run_experiment + widgets),
 :mod:`~minserve.lab.checks` (q.check / q.hint / q.solution), :mod:`~minserve.lab.results`,
@@ -33,6 +34,8 @@ from minserve.lab.correlate import add_context, compare_distributions, correlati
 from minserve.lab.presets import CI_ENV, PRESET_ENV, Preset, get_preset, is_ci
 from minserve.lab.results import load_baseline, record_baseline
 from minserve.lab.session import engine_for, environment_summary, release_engine, setup
+from minserve.lab.target import API_KEY_ENV, TARGET_ENV, RemoteLLM, Target, needs_engine
+from minserve.lab.target import current as current_target
 from minserve.lab.timeline import chunk_table, request_timeline
 from minserve.lab.workload import (EngineRecordsRequired, RunResult, make_requests, run_sweep,
                                    run_workload, scenario_requests, text_of_length)
@@ -44,6 +47,7 @@ __all__ = [
     "record_baseline", "engine_for", "environment_summary", "release_engine", "setup",
     "chunk_table", "request_timeline", "EngineRecordsRequired", "RunResult", "make_requests",
     "run_sweep", "run_workload", "scenario_requests", "text_of_length",
+    "API_KEY_ENV", "TARGET_ENV", "RemoteLLM", "Target", "needs_engine", "current_target",
     "Calibration", "Load", "LoadProbe", "calibrate", "machine_load", "warm", "Lesson", "lesson", "summary",
 ]
 

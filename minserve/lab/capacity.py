@@ -217,6 +217,10 @@ def run_mixed(preset=None, *, batching: str = "continuous", num_requests: int = 
     rate = "all at once" if math.isinf(request_rate) else f"{request_rate:g} req/s"
     label = name or f"{batching}: {num_requests} mixed requests, {rate}"
     if batching == "static":
+        from minserve.lab.target import RemoteLLM
+        if isinstance(llm, RemoteLLM):
+            from minserve.lab.workload import EngineRecordsRequired
+            raise EngineRecordsRequired("static batching (a gate in front of this notebook's engine)")
         return run_static(llm, reqs, llm.llm_engine.config.max_num_seqs, request_rate=request_rate,
                           max_concurrency=max_concurrency, seed=seed, live=live, name=label)
     return run_workload(llm, reqs, request_rate=request_rate, max_concurrency=max_concurrency,

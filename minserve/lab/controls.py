@@ -30,7 +30,9 @@ def run_experiment(preset: Preset | None = None, *, num_requests: int = 8,
     (e.g. ``enable_prefix_caching=False``). The engine comes from
     :func:`~minserve.lab.session.engine_for`, so the same arguments reuse the notebook's engine.
     With ``base_url`` the server's own settings apply: passing an engine argument then is an
-    error (a client cannot resize a server)."""
+    error (a client cannot resize a server). When the lab's target is a server
+    (:mod:`minserve.lab.target`) and no ``base_url`` is given, the run goes there and the engine
+    arguments asked for are named in one line and left to the server."""
     from minserve.lab.session import engine_for
     from minserve.lab.workload import make_requests, run_workload
     preset = preset or get_preset()
@@ -39,8 +41,16 @@ def run_experiment(preset: Preset | None = None, *, num_requests: int = 8,
     label = name or (f"{num_requests} x ({prompt_tokens} in, {output_tokens} out), rate "
                      f"{'inf' if math.isinf(request_rate) else request_rate}, concurrency "
                      f"{max_concurrency or 'no limit'}")
+    from minserve.lab.target import current
+    given = [k for k, v in knobs.items() if v is not None]
+    if base_url is None and not current().in_process:
+        # The lab's target is a server: the lab's own engine arguments are the server's to set.
+        base_url = current().base_url
+        if given:
+            print(f"{', '.join(given)}: set by the server at {base_url} (not over HTTP); "
+                  "this run uses the server's own engine arguments.")
+        given = []
     if base_url is not None:
-        given = [k for k, v in knobs.items() if v is not None]
         if given:
             raise ValueError(f"{', '.join(given)} cannot be set over HTTP: the server at {base_url} "
                              "was started with its own engine arguments")
@@ -89,9 +99,12 @@ def engine_settings(engine=None, preset: Preset | None = None, base_url: str | N
 
 def _server_kv_blocks(base_url: str) -> int | None:
     import re
+
+    from minserve.lab.target import headers_for
     try:
         import httpx
-        text = httpx.get(f"{base_url.rstrip('/')}/metrics", timeout=5).text
+        text = httpx.get(f"{base_url.rstrip('/')}/metrics", timeout=5,
+                         headers=headers_for(base_url) or {}).text
     except Exception:  # noqa: BLE001 - unknown is an answer
         return None
     m = re.search(r'vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text)
@@ -105,7 +118,8 @@ def control_panel(run: Callable[..., Any] = run_experiment, preset: Preset | Non
     them (plus ``engine_args``, fixed engine arguments such as ``enable_prefix_caching=False``).
     ``defaults`` set the starting values of the workload sliders. The engine sliders start at the
     real engine's values (``engine``, or the server's at ``base_url``; see
-    :func:`engine_settings`): over HTTP they are the server's and cannot be changed. The Run
+    :func:`engine_settings`): over HTTP (``base_url``, or a lab whose target is a server) they
+    are the server's and cannot be changed. The Run
     button's live figure and progress line redraw in the panel while it runs. Returns None (with a
     note) without ipywidgets."""
     try:
@@ -114,7 +128,15 @@ def control_panel(run: Callable[..., Any] = run_experiment, preset: Preset | Non
         print("ipywidgets is not installed: call run_experiment(...) directly "
               "(pip install ipywidgets for the panel).")
         return None
+    from minserve.lab.target import RemoteLLM, current
     preset = preset or get_preset()
+    # The lab's target is a server: its sliders are the server's. ``run`` then finds the server
+    # through the target (engine_for), so base_url is not passed to it unless the caller gave one.
+    pass_url = base_url is not None
+    if isinstance(engine, RemoteLLM):
+        base_url, engine = base_url or engine.base_url, None
+    elif base_url is None and engine is None and not current().in_process:
+        base_url = current().base_url
     real = engine_settings(engine, preset, base_url)
     d = {"num_requests": 8, "request_rate": math.inf, "max_concurrency": None,
          "prompt_tokens": 128, "output_tokens": 32, **defaults}
@@ -128,7 +150,7 @@ def control_panel(run: Callable[..., Any] = run_experiment, preset: Preset | Non
             else:
                 ctl[k].disabled = True
                 ctl[k].description += " (server's)"
-    return _assemble(w, ctl, run, preset, base_url, engine_args)
+    return _assemble(w, ctl, run, preset, base_url, engine_args, pass_url)
 
 
 def _controls(w, d: dict) -> dict:
@@ -161,7 +183,7 @@ def _controls(w, d: dict) -> dict:
     }
 
 
-def _assemble(w, ctl: dict, run, preset, base_url, engine_args) -> ControlPanel:
+def _assemble(w, ctl: dict, run, preset, base_url, engine_args, pass_url: bool = True) -> ControlPanel:
     from IPython.display import display
 
     from minserve.lab.live import rendering_into
@@ -173,7 +195,8 @@ def _assemble(w, ctl: dict, run, preset, base_url, engine_args) -> ControlPanel:
         if base_url is not None:
             for k in ENGINE_KNOBS:
                 v.pop(k, None)
-            v["base_url"] = base_url
+            if pass_url:
+                v["base_url"] = base_url
         else:
             v.update(engine_args or {})
         return v

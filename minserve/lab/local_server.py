@@ -173,9 +173,50 @@ def serve(target, *, admission=None, auth=None, limits=None, served_model_name: 
     """Start :func:`minserve.server.create_app` for ``target`` (an ``LLM`` or ``LLMEngine``) on a
     free local port; returns the running :class:`LocalServer`. ``admission``
     (:class:`~minserve.server.AdmissionConfig`), ``auth`` (:class:`~minserve.server.Auth`) and
-    ``limits`` are ``create_app``'s. A server still running on the same engine is stopped first."""
+    ``limits`` are ``create_app``'s. A server still running on the same engine is stopped first.
+
+    ``target`` may be the :class:`~minserve.lab.target.RemoteLLM` a lab gets when its target is a
+    server: nothing starts then, and the :class:`SharedServer` returned is that server, with its
+    own admission policy, keys and limits (the ones asked for are named once, not applied)."""
+    from minserve.lab.target import RemoteLLM
+    if isinstance(target, RemoteLLM):   # the lab's target is a server: that server, as it is
+        return SharedServer(target, admission=admission, auth=auth, limits=limits)
     return LocalServer(target, admission=admission, auth=auth, limits=limits,
                        served_model_name=served_model_name, start_timeout_s=start_timeout_s).start()
+
+
+class SharedServer:
+    """The lab target's server standing in for a notebook server: same ``base_url`` and
+    ``model_name``, ``stop()`` does nothing (it is not ours). ``admission`` is None: the shared
+    server's controller lives in its own process."""
+
+    _said: set = set()
+
+    def __init__(self, remote, *, admission=None, auth=None, limits=None):
+        self.base_url, self.api_key = remote.base_url, remote.api_key
+        self.model_name = remote.model
+        self.admission = None
+        asked = [n for n, v in (("admission", admission), ("auth", auth), ("limits", limits))
+                 if v is not None]
+        if asked and (self.base_url, tuple(asked)) not in SharedServer._said:
+            SharedServer._said.add((self.base_url, tuple(asked)))
+            print(f"{', '.join(asked)}: the shared server at {self.base_url} keeps its own "
+                  "(a client cannot set them); requests go to it as it is.")
+
+    def running(self) -> bool:
+        return True
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        pass
+
+    def __enter__(self) -> "SharedServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"SharedServer({self.base_url}: the lab's target, its own admission policy)"
 
 
 def stop_all() -> None:

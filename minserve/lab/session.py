@@ -66,10 +66,20 @@ def figure_style() -> None:
     })
 
 
-def setup(log_level: str | int = "WARNING", preset: str | None = None) -> Preset:
+def setup(log_level: str | int = "WARNING", preset: str | None = None, *,
+          target: str | None = None, api_key: str | None = None) -> Preset:
     """Quiet logs, figure defaults; returns this run's preset (``MINSERVE_LAB_PRESET``). The lab's
-    run time and the machine's load are counted from here (``lab.summary(...)`` reports them)."""
+    run time and the machine's load are counted from here (``lab.summary(...)`` reports them).
+
+    ``target`` / ``api_key`` (default ``$MINSERVE_LAB_TARGET`` / ``$MINSERVE_LAB_API_KEY``): what
+    the lab runs against, the engine in this notebook or a server's URL (see
+    :mod:`minserve.lab.target`; :func:`~minserve.lab.target.current` returns it afterwards)."""
     from minserve.lab.lessons import start_run
+    from minserve.lab.target import install_cell_marker, set_target
+    chosen = set_target(target, api_key)
+    install_cell_marker()
+    if not chosen.in_process:
+        print(f"Target: {chosen}. Cells marked 'needs the engine' are skipped, each with one line.")
     start_run()
     quiet_logging(log_level)
     figure_style()
@@ -115,8 +125,12 @@ def engine_for(preset: Preset | None = None, model: str | None = None, warm_up: 
     is run again); different ones free the previous engine first (a notebook variable still
     holding the old one keeps it alive)."""
     from minserve import LLM
+    from minserve.lab.target import current
     preset = preset or get_preset()
     model = model or preset.model
+    target = current()
+    if not target.in_process:
+        return _remote_for(target, model, engine_args, warm_up)
     kwargs = preset.engine_kwargs(**engine_args)
     key = (model, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
     if _current["key"] == key and _current["llm"] is not None:
@@ -127,6 +141,27 @@ def engine_for(preset: Preset | None = None, model: str | None = None, warm_up: 
     llm = LLM(model, **kwargs)
     if warm_up:
         warm(llm, warm_prompts, warm_batches)
+    _current.update(key=key, llm=llm)
+    return llm
+
+
+def _remote_for(target, model: str, engine_args: dict, warm_up: bool):
+    """Against a server: no engine here. The engine arguments are the server's (a client cannot
+    resize a server), so the ones asked for are named, once per distinct request."""
+    from minserve.lab.target import RemoteLLM
+    asked = {k: v for k, v in engine_args.items() if v is not None}
+    key = ("remote", target, model, tuple(sorted((k, repr(v)) for k, v in asked.items())))
+    if _current["key"] == key and _current["llm"] is not None:
+        return _current["llm"]
+    release_engine()
+    if asked:
+        print(f"Engine arguments are the server's own: {', '.join(f'{k}={v!r}' for k, v in asked.items())} "
+              f"cannot be set over HTTP (asked of {target.base_url}).")
+    llm = RemoteLLM(target, model, asked)
+    if warm_up:   # one short request: the server's first one may pay for first use of a shape
+        from minserve.lab.workload import make_requests, run_workload
+        run_workload(llm, make_requests(llm.get_tokenizer(), 32, 4, num_requests=2), live=False,
+                     name="warm-up")
     _current.update(key=key, llm=llm)
     return llm
 

@@ -344,10 +344,14 @@ async def _first_model(base_url: str, api_key: str | None) -> str:
 
     from minserve.bench.client import auth_headers
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else auth_headers()
-    async with httpx.AsyncClient(timeout=30, headers=headers) as client:
-        r = await client.get(f"{base_url}/v1/models")
-        r.raise_for_status()
-        return r.json()["data"][0]["id"]
+    try:
+        async with httpx.AsyncClient(timeout=30, headers=headers) as client:
+            r = await client.get(f"{base_url}/v1/models")
+            r.raise_for_status()
+            return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        raise ValueError(f"could not list models at {base_url}/v1/models ({type(e).__name__}: {e}); "
+                         "is the server up, and is the API key right?") from e
 
 
 def offer(base_url: str, calls_: Sequence[Call], *, name: str = "traffic", slo: SLO | None = None,
@@ -362,11 +366,19 @@ def offer(base_url: str, calls_: Sequence[Call], *, name: str = "traffic", slo: 
     update while it runs (the final frame stays).
     ``metrics_api_key``: sent with the ``/metrics`` polls (a server with keys needs an admin key).
     """
+    import dataclasses
+
     import pandas as pd
+
+    from minserve.lab.target import key_for
     calls_ = list(calls_)
     if not calls_:
         raise ValueError("calls_ is empty; build some with traffic.calls(make_requests(...), ...)")
     base_url = base_url.rstrip("/")
+    lab_key = key_for(base_url)   # the lab target's server: its key on calls that carry none
+    if lab_key:
+        calls_ = [c if c.api_key else dataclasses.replace(c, api_key=lab_key) for c in calls_]
+        metrics_api_key = metrics_api_key or lab_key
     view = LiveTraffic(len(calls_), name, slo, interval_s=interval_s, enabled=live)
     box: dict[str, Any] = {}
     records: list[_Record] = []

@@ -256,8 +256,18 @@ def run_workload(target=None, requests: Sequence[SampleRequest] = (), *, base_ur
     it lists; ``chat``: use /v1/chat/completions). ``ignore_eos`` (default on, as for vLLM's
     synthetic workloads) makes every request produce exactly its ``expected_output_len`` tokens.
     ``live``: show the live figure and progress while it runs.
+
+    ``target`` may also be what :func:`~minserve.lab.session.engine_for` returns when the lab's
+    target is a server (:class:`~minserve.lab.target.RemoteLLM`): the run then goes to that
+    server. Requests to the lab target's server carry its API key (``$MINSERVE_LAB_API_KEY``);
+    to any other server, ``$OPENAI_API_KEY`` when set, as ``vllm bench serve`` sends it.
     """
     from minserve.lab.live import LiveRun
+    from minserve.lab.target import RemoteLLM
+    if isinstance(target, RemoteLLM):   # the lab's target is a server: engine_for gave its address
+        if base_url is not None:
+            raise ValueError("give either a target or base_url=, not both")
+        target, base_url = None, target.base_url
     requests = list(requests)
     if not requests:
         raise ValueError("requests is empty; build some with make_requests(...)")
@@ -470,17 +480,21 @@ async def _http_main(base_url, requests, settings, model, chat, records, pollers
     import httpx
 
     from minserve.bench.arrivals import arrival_times
-    from minserve.bench.client import TIMEOUT_S, Target, auth_headers, fetch_model_id, send_request
+    from minserve.bench.client import TIMEOUT_S, Target, auth_headers, send_request
     from minserve.bench.results import BenchOptions, BenchResult, finalize
     from minserve.bench.server_metrics import MetricsPoller
 
-    model_id = model or await fetch_model_id(base_url)
+    from minserve.lab.target import headers_for, key_for
+    from minserve.lab.traffic import _first_model
+    headers = headers_for(base_url)   # the lab target's key, else $OPENAI_API_KEY as vllm sends it
+    if headers is None:
+        headers = auth_headers()
+    model_id = model or await _first_model(base_url, key_for(base_url))
     target = Target(api_url=f"{base_url}/v1/{'chat/completions' if chat else 'completions'}",
                     base_url=base_url, model=model_id, chat=chat)
     opts = BenchOptions(request_rate=settings["request_rate"], burstiness=settings["burstiness"],
                         seed=settings["seed"], max_concurrency=settings["max_concurrency"],
                         ignore_eos=settings["ignore_eos"])
-    headers = auth_headers()
     limits = httpx.Limits(max_connections=opts.max_concurrency, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=TIMEOUT_S, limits=limits, headers=headers) as client, \
             httpx.AsyncClient(timeout=5.0, headers=headers) as metrics_client:

@@ -1,0 +1,243 @@
+"""One target for a whole lab (issue 21, item 1): the engine in the notebook, or a server.
+
+Fast tests: how the target is resolved (``MINSERVE_LAB_TARGET``, ``lab.setup(target=...)``), that
+the API key (``MINSERVE_LAB_API_KEY``) goes with every HTTP call to the target's server (a server
+with keys refuses the calls without it), and how a cell that needs the engine is skipped.
+
+The slow test starts a real ``minserve serve`` (the labs' default model, smollm2-135m; 4 seats,
+prefix caching off, an API key) and runs labs 01, 02 and 07 top to bottom against it with
+``MINSERVE_LAB_CI=1``, as ``make test`` runs notebooks: every cell marked ``# needs the engine:``
+prints its one skip line and nothing else, every other cell runs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import minserve.lab as lab
+from minserve.lab import target as tg
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_target(monkeypatch):
+    monkeypatch.delenv(tg.TARGET_ENV, raising=False)
+    monkeypatch.delenv(tg.API_KEY_ENV, raising=False)
+    tg._state["target"] = None
+    yield
+    tg._state["target"] = None
+
+
+# ---- resolution -------------------------------------------------------------------------------
+
+def test_default_is_the_engine_in_this_process():
+    t = lab.current_target()
+    assert t.in_process and t.base_url is None and t.headers() == {}
+    for name in ("", "inprocess", " InProcess "):
+        assert tg.resolve(name).in_process
+
+
+def test_environment_names_the_server_and_its_key(monkeypatch):
+    monkeypatch.setenv("MINSERVE_LAB_TARGET", "http://box:8000/v1/")
+    monkeypatch.setenv("MINSERVE_LAB_API_KEY", "sk-room")
+    t = lab.current_target()
+    assert t == lab.Target("http://box:8000", "sk-room")   # trailing /v1 and / dropped
+    assert t.headers() == {"Authorization": "Bearer sk-room"}
+    assert t.is_for("http://box:8000/") and not t.is_for("http://other:8000")
+    assert tg.headers_for("http://box:8000") == {"Authorization": "Bearer sk-room"}
+    assert tg.headers_for("http://127.0.0.1:9") is None     # another server: not our key
+
+
+def test_setup_argument_wins_over_the_environment(monkeypatch):
+    monkeypatch.setenv("MINSERVE_LAB_TARGET", "http://box:8000")
+    lab.setup(target="inprocess")
+    assert lab.current_target().in_process
+    lab.setup(target="http://other:9000", api_key="k2")
+    assert lab.current_target() == lab.Target("http://other:9000", "k2")
+
+
+def test_a_target_that_is_no_url_is_refused_naming_it(monkeypatch):
+    with pytest.raises(ValueError, match="box:8000.*setup"):
+        tg.resolve("box:8000")
+    monkeypatch.setenv("MINSERVE_LAB_TARGET", "ftp://box")
+    with pytest.raises(ValueError, match="MINSERVE_LAB_TARGET"):
+        tg.resolve()
+
+
+# ---- skipping what needs the engine --------------------------------------------------------------
+
+def test_needs_engine_is_silent_in_process_and_one_line_against_a_server(capsys):
+    assert lab.needs_engine("the engine's block tables") is True
+    assert capsys.readouterr().out == ""
+    tg.set_target("http://box:8000")
+    assert lab.needs_engine("the engine's block tables") is False
+    assert capsys.readouterr().out == ("skipped against http://box:8000 (in process only): this "
+                                       "exercise needs the engine's block tables\n")
+
+
+def test_a_marked_cell_becomes_its_skip_line_only_against_a_server(capsys):
+    cell = ["\n", "# needs the engine: the engine's step records\n", "st = run.steps\n",
+            "1 / 0\n"]
+    plain = ["x = 1\n", "# needs the engine: not the first line\n"]
+    assert tg.transform_cell(cell) == cell and tg.transform_cell(plain) == plain
+    tg.set_target("http://box:8000")
+    assert tg.transform_cell(plain) == plain
+    code = "".join(tg.transform_cell(cell))
+    exec(compile(code, "<cell>", "exec"), {})           # the body (1 / 0) never runs
+    assert capsys.readouterr().out == ("skipped against http://box:8000 (in process only): this "
+                                       "exercise needs the engine's step records\n")
+
+
+def test_engine_for_a_server_builds_no_engine_and_says_which_arguments_are_the_servers(capsys):
+    tg.set_target("http://box:8000", "k")
+    llm = lab.engine_for(lab.get_preset("quick"), enable_prefix_caching=False, warm_up=False)
+    assert isinstance(llm, lab.RemoteLLM) and llm.base_url == "http://box:8000"
+    assert "enable_prefix_caching=False cannot be set over HTTP" in capsys.readouterr().out
+    with pytest.raises(lab.EngineRecordsRequired):
+        llm.llm_engine
+    srv = lab.local_server.serve(llm, admission=object())
+    assert srv.base_url == "http://box:8000" and srv.admission is None
+    assert "keeps its own" in capsys.readouterr().out
+    lab.release_engine()
+
+
+# ---- the key goes with every call to the target -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_llm):
+    """tiny-llama behind an app that wants a key (an admin key: /metrics too)."""
+    from live_server import live_server
+    from minserve.server import create_app
+    from minserve.server.auth import Auth, Principal
+    app = create_app(tiny_llm.llm_engine, auth=Auth({"sk-lab": Principal("lab", admin=True)}))
+    with live_server(app) as base:
+        yield base, tiny_llm
+
+
+def test_run_workload_and_offer_send_the_targets_key(keyed_server, monkeypatch):
+    base, llm = keyed_server
+    monkeypatch.setenv("MINSERVE_LAB_TARGET", base)
+    monkeypatch.setenv("MINSERVE_LAB_API_KEY", "sk-lab")
+    reqs = lab.make_requests(llm.get_tokenizer(), 16, 4, num_requests=3)
+    remote = lab.RemoteLLM(lab.current_target(), "tiny-llama")
+    run = lab.run_workload(remote, reqs, live=False)
+    assert run.requests.success.all() and run.target == base
+    assert run.state.num_running.notna().any()              # /metrics polled with the key
+    res = lab.traffic.offer(base, lab.traffic.calls(reqs), live=False)
+    assert (res.requests.outcome == "ok").all()
+    assert len(res.state) and res.state.num_running.notna().any()
+
+
+def test_without_the_key_the_keyed_server_refuses(keyed_server, monkeypatch):
+    base, llm = keyed_server
+    monkeypatch.setenv("MINSERVE_LAB_TARGET", base)
+    monkeypatch.setenv("MINSERVE_LAB_API_KEY", "sk-wrong")
+    reqs = lab.make_requests(llm.get_tokenizer(), 16, 4, num_requests=1)
+    with pytest.raises(ValueError, match="API key"):
+        lab.run_workload(base_url=base, requests=reqs, live=False)
+
+
+def test_run_experiment_goes_to_the_target_and_names_the_engine_arguments(keyed_server, monkeypatch,
+                                                                        capsys):
+    base, _ = keyed_server
+    monkeypatch.setenv("MINSERVE_LAB_TARGET", base)
+    monkeypatch.setenv("MINSERVE_LAB_API_KEY", "sk-lab")
+    preset = lab.Preset(**{**lab.get_preset("quick").__dict__, "model": "tiny-llama"})
+    run = lab.run_experiment(preset, num_requests=2, prompt_tokens=16, output_tokens=4, live=False,
+                             max_num_seqs=2)
+    assert run.target == base and run.requests.success.all()
+    assert "max_num_seqs: set by the server" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="cannot be set over HTTP"):   # an explicit base_url: refused
+        lab.run_experiment(preset, base_url=base, max_num_seqs=2, live=False)
+
+
+# ---- whole labs against a real `minserve serve` ------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def minserve_serve(tmp_path_factory):
+    pytest.importorskip("nbclient")
+    pytest.importorskip("jupytext")
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    cmd = [sys.executable, "-m", "minserve.cli", "serve", "smollm2-135m", "--port", str(port),
+           "--max-num-seqs", "4", "--no-enable-prefix-caching", "--api-key", "sk-lab-target"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        import httpx
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, f"minserve serve exited: {log.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, "minserve serve did not come up in 180 s"
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _run_lab(name: str, base: str, results: Path):
+    import jupytext
+    import nbclient
+    env = {tg.TARGET_ENV: base, tg.API_KEY_ENV: "sk-lab-target", "MINSERVE_LAB_CI": "1",
+           "MINSERVE_LAB_RESULTS": str(results)}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)      # the kernel inherits this process's environment
+    try:
+        nb = jupytext.read(ROOT / "labs" / f"{name}.py")
+        nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                resources={"metadata": {"path": str(ROOT / "labs")}}).execute()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return nb
+
+
+def _text(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream")
+
+
+@pytest.mark.parametrize("name", ["01_prefill_vs_decode", "02_continuous_batching",
+                                  "07_overload_and_goodput"])
+def test_lab_runs_top_to_bottom_against_a_server(name, minserve_serve, tmp_path):
+    nb = _run_lab(name, minserve_serve, tmp_path)      # raises on any cell's error
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    marked = [c for c in code if tg.MARKER.match(next((ln for ln in c.source.splitlines() if ln.strip()), ""))]
+    assert marked, f"{name} has no cell that needs the engine"
+    for c in marked:
+        what = tg.MARKER.match(next(ln for ln in c.source.splitlines() if ln.strip()))["what"]
+        assert _text(c) == f"skipped against {minserve_serve} (in process only): this exercise needs {what}\n"
+        assert not [o for o in c.outputs if o.output_type != "stream"]
+    ran = [c for c in code if c not in marked]
+    assert all(c.execution_count for c in ran)
+    # The server-capable sections measured something: their lessons were judged, the baseline
+    # was written, and the run summary came last.
+    assert any("Lesson" in _text(c) for c in ran)
+    assert (tmp_path / f"{name[:2]}.json").exists()
+    assert f"Lab {name[:2]} ran in" in _text(ran[-1]) or "ran in" in str(ran[-1].outputs)
