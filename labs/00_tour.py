@@ -28,6 +28,10 @@
 # cell prints how long this run took, how busy the machine was meanwhile, and which of the tour's
 # lessons it showed.
 #
+# **Against a server** (`MINSERVE_LAB_TARGET=http://host:port`): this tour builds its own engine
+# (`LLM(...)` with the settings it explains, and it steps that engine by hand), so it runs in the
+# notebook even when `MINSERVE_LAB_TARGET` is set; nothing in it goes to the server.
+#
 # **Prerequisites:** Python and a little pandas; no serving background needed.
 #
 # In this first notebook you will:

@@ -57,6 +57,11 @@
 # lesson below is checked on this run's numbers, and says plainly when the run did not show it,
 # with the load it measured.
 #
+# **Against a server** (`MINSERVE_LAB_TARGET=http://host:port`): this lab builds its own engines
+# (it compares weight formats, one engine per format, with their weights and KV pools in this
+# process), so it runs in the notebook even when `MINSERVE_LAB_TARGET` is set; nothing in it goes to
+# the server.
+#
 # **Prerequisites:** [Lab 01](01_prefill_vs_decode.ipynb) (decode is memory-bound at batch 1) and
 # [Lab 03](03_kv_cache_detective.ipynb) (KV bytes per token, blocks, preemption).
 #

@@ -56,6 +56,10 @@
 # evidence, or "Lesson NOT shown in this run" with the cause it measured (other processes' CPU use)
 # and how to get a clean run. Token counts and outputs do not depend on the machine's load; times do.
 #
+# **Against a server** (`MINSERVE_LAB_TARGET=http://host:port`): this lab builds its own engines
+# (it compares proposers and their acceptance counts, one engine per proposer), so it runs in the
+# notebook even when `MINSERVE_LAB_TARGET` is set; nothing in it goes to the server.
+#
 # **Prerequisites:** [Lab 00](00_tour.ipynb) (engine steps), [Lab 01](01_prefill_vs_decode.ipynb)
 # (TPOT against batch size) and [Lab 03](03_kv_cache_detective.ipynb) (the planner and its
 # roofline).
