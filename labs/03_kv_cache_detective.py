@@ -47,6 +47,14 @@
 # (`MINSERVE_LAB_PRESET=full`) uses 8 times longer prompts and a larger budget, sized for a GPU;
 # its run time there has not been measured yet.
 #
+# **Against a server** (`MINSERVE_LAB_TARGET=http://host:port`, see the README's labs section):
+# the workloads of steps 2 to 5 run over HTTP, with the server's own KV pool and seats (the lab asks
+# for `KV_BUDGET` but cannot set it), and their KV usage and preemptions come from its `/metrics`
+# (the KV-usage figures, the per-run figure of steps 4 and 5); the planner, the roofline and the
+# explore panel run too. The engine's configuration and K/V tensors (exercise 1), the block counts
+# (exercise 2), the pressure table and everything built on it (exercises 4 and 5, step 6, the
+# baseline) read the engine's own records, and are skipped with one line each.
+#
 # **Prerequisites:** [Lab 01](01_prefill_vs_decode.ipynb) (prefill and decode) and
 # [Lab 02](02_continuous_batching.ipynb) (seats, queueing, the knee).
 #
@@ -99,8 +107,12 @@ sweep_c = P.pick(quick=[1, 2, 4, 5, 6, 8], full=[1, 4, 8, 9, 10, 12, 16])  # ste
 P3 = dataclasses.replace(P, engine_args={k: v for k, v in P.engine_args.items() if k != "num_kv_blocks"})
 llm = lab.engine_for(P3, kv_cache_memory=KV_BUDGET, enable_prefix_caching=False,
                      warm_prompts=[SHORT, LONG, C * LONG], warm_batches=sweep_c)
-eng = llm.llm_engine
 tok = llm.get_tokenizer()
+lab02 = lab.load_baseline("02")
+
+# %%
+# needs the engine: the engine's configuration (model shape, KV pool, seats)
+eng = llm.llm_engine
 mc = eng.model_config
 spec = eng.kv_spec
 BS, BLOCKS = spec.block_size, spec.num_blocks
@@ -110,7 +122,6 @@ print(f"model {eng.config.model}: {mc.num_layers} layers, {mc.num_heads} attenti
       f"{mc.num_kv_heads} KV heads, head_dim {mc.head_dim}, KV in {eng.config.dtype}")
 print(f"KV budget {KV_BUDGET}: {BLOCKS} blocks of {BS} tokens = {spec.max_tokens} token slots; "
       f"max_num_seqs = {SEATS}")
-lab02 = lab.load_baseline("02")
 
 # %% [markdown]
 # ### How many bytes is one token?
@@ -126,6 +137,7 @@ lab02 = lab.load_baseline("02")
 bytes_per_token = None  # your answer, in bytes
 
 # %%
+# needs the engine: the engine's K and V tensors (exercise 1)
 alloc = lab.kv_allocation(llm)
 q1 = ex.q1_bytes_per_token(alloc, mc.num_heads)
 q1.check(bytes_per_token)
@@ -138,6 +150,7 @@ q1.check(bytes_per_token)
 # head_dim]`; their sizes, added up:
 
 # %%
+# needs the engine: the engine's K and V tensors (exercise 1)
 expected = alloc["num_blocks"] * alloc["block_size"] * alloc["formula_bytes_per_token"]
 check = pd.DataFrame({
     "bytes": [alloc["formula_bytes_per_token"], alloc["bytes_per_token"], expected,
@@ -167,6 +180,10 @@ short_run = lab.run_workload(llm, lab.make_requests(tok, SHORT, OUT, num_request
                              name=f"step 2: {C} x ({SHORT} prompt + {OUT} output tokens)")
 
 # %%
+print(f"Peak KV usage of step 2: {short_run.state.kv_cache_usage.max():.0%} of the KV cache.")
+
+# %%
+# needs the engine: its KV pool size in blocks (step 2's peak, in blocks)
 short_peak = int(round(short_run.steps.kv_cache_usage.max() * BLOCKS))
 print(f"{C} short requests held at most {short_peak} of {BLOCKS} blocks "
       f"({short_peak / BLOCKS:.0%} of the KV cache).")
@@ -181,6 +198,7 @@ print(f"{C} short requests held at most {short_peak} of {BLOCKS} blocks "
 # time? Each has a prompt of `LONG` tokens and an answer of `OUT` tokens; blocks hold `BS` tokens.
 
 # %%
+# needs the engine: its block size and KV pool (exercise 2)
 print(f"LONG = {LONG}, OUT = {OUT}, BS = {BS}, C = {C}")
 peak_blocks = None  # your answer: a number of blocks
 
@@ -190,6 +208,11 @@ long_reqs = lab.make_requests(tok, LONG, OUT, num_requests=C, seed=C,
 long_run = lab.run_workload(llm, long_reqs, name=f"step 3: {C} x ({LONG} prompt + {OUT} output tokens)")
 
 # %%
+print(f"Peak KV usage of step 3: {long_run.state.kv_cache_usage.max():.0%} of the KV cache "
+      f"(step 2: {short_run.state.kv_cache_usage.max():.0%}), with the same {C} requests at once.")
+
+# %%
+# needs the engine: its KV pool size in blocks (exercise 2)
 long_peak = int(round(long_run.steps.kv_cache_usage.max() * BLOCKS))
 q2 = ex.q2_peak_blocks(C, LONG, OUT, BS, long_peak, BLOCKS)
 q2.check(peak_blocks)
@@ -212,7 +235,8 @@ print(f"Short prompts: {short_peak} blocks at most; long prompts: {long_peak} bl
 # %%
 CONTEXT = LONG + OUT
 print(f"KV_BUDGET = {KV_BUDGET} = {parse_bytes(KV_BUDGET):,} bytes; "
-      f"a sequence of {LONG} + {OUT} = {CONTEXT} tokens; blocks of {BS} tokens")
+      f"a sequence of {LONG} + {OUT} = {CONTEXT} tokens; blocks of "
+      f"{plan(P.model, hardware='this', kv_cache_memory=KV_BUDGET, context_len=CONTEXT).block_size} tokens")
 planned_seqs = None  # your answer: a number of sequences
 
 # %%
@@ -293,6 +317,9 @@ def wave(c):
 
 
 runs = lab.run_sweep(sweep_c, wave, title="rising concurrency")
+
+# %%
+# needs the engine: its step records and request timelines (the pressure table)
 table = lab.pressure_table(runs, BLOCKS)
 table.round(2)
 
@@ -300,12 +327,12 @@ table.round(2)
 fig, axes = plt.subplots(1, len(runs), figsize=(2.3 * len(runs), 2.8), sharey=True,
                          layout="constrained")
 for ax, (c, run) in zip(axes, runs.items()):
-    st = run.steps
-    t = st.t_s + st.step_time_s
-    ax.plot(t, 100 * st.kv_cache_usage, color="tab:purple")
-    for x in t[st.num_preemptions > 0]:
+    st = run.state   # after each engine step in process; each /metrics sample over HTTP
+    ax.plot(st.t_s, 100 * st.kv_cache_usage, color="tab:purple")
+    preempted = st.num_preemptions.diff().fillna(st.num_preemptions) > 0
+    for x in st.t_s[preempted]:
         ax.axvline(x, color="tab:red", lw=1)
-    n = int(st.num_preemptions.sum())
+    n = int(st.num_preemptions.max()) if len(st) else 0
     ax.set(title=f"c = {c}: {n} preemption{'s' if n != 1 else ''}", xlabel="time (s)", ylim=(0, 105))
 axes[0].set_ylabel("KV blocks in use (%)")
 fig.suptitle("KV usage over each run, by concurrency, and its preemptions (red lines)")
@@ -322,9 +349,11 @@ plt.show()
 # Compare it with the planned capacity from Exercise 3.
 
 # %%
+# needs the engine: the pressure table (exercise 4)
 measured_seqs = None  # your answer: a number of sequences
 
 # %%
+# needs the engine: the pressure table (exercise 4)
 q4 = ex.q4_measured_capacity(table)
 q4.check(measured_seqs)
 # q4.hint()
@@ -333,6 +362,7 @@ print(f"Planned: {p.max_num_seqs} sequences of {CONTEXT} tokens; measured: "
       f"{ex.measured_capacity(table)} ran at once without waiting or preemption.")
 
 # %%
+# needs the engine: the pressure table (exercise 4)
 measured = ex.measured_capacity(table)
 plan_lesson = lab.lesson(
     "03-capacity-plan", "the capacity the engine showed matches the plan: as many sequences as "
@@ -351,6 +381,7 @@ pressure_lesson = lab.lesson(
 # preemptions.
 
 # %%
+# needs the engine: the engine's request timelines
 top = max(runs)
 lab.request_timeline(runs[top], title=f"c = {top}: who waited, who was preempted, who recomputed")
 plt.show()
@@ -360,9 +391,11 @@ plt.show()
 # (`"max_num_seqs"`), or `"compute"`?
 
 # %%
+# needs the engine: the pressure table (exercise 5)
 limited_by = None  # your answer: "kv cache", "max_num_seqs" or "compute"
 
 # %%
+# needs the engine: the pressure table (exercise 5)
 q5 = ex.q5_what_limited(table, top, SEATS)
 q5.check(limited_by)
 # q5.hint()
@@ -382,6 +415,7 @@ q5.check(limited_by)
 # slowest request was held up for more than 10 % of the steps it needs alone.**
 
 # %%
+# needs the engine: the pressure table (step 6: extra steps per request)
 concs = np.array(list(runs))
 fig, ax = plt.subplots(figsize=(6.5, 3.8))
 ax.plot(concs, table["median E2E (s)"], "o-", color="tab:blue", label="median request")
@@ -440,6 +474,7 @@ explore.percentiles()
 # ## Record your baseline
 
 # %%
+# needs the engine: the engine's records of steps 1 to 6 (the baseline)
 baseline = {
     "kv_budget": KV_BUDGET,
     "kv_blocks": BLOCKS,
