@@ -49,6 +49,14 @@
 # each timing lesson below is checked on this run's numbers and says so plainly when the run did
 # not show it, with the load it measured.
 #
+# **Against a server** (`MINSERVE_LAB_TARGET=http://host:port`, see the README's labs section):
+# section 2's two workloads run over HTTP (client-side TTFT per request, the server's own prefix
+# cache, which must be on), and so does the explore panel. The cached-token counts of section 1,
+# the step-by-step cache counters of section 2 and its exercises 2 and 3, the timing attack and the
+# salts of sections 3 and 4 (probes sent into the engine with a `cache_salt` each), section 5 (a
+# server of its own with two tenants' keys, started here) and the baseline read or drive the
+# engine in this notebook, and are skipped with one line each.
+#
 # **Prerequisites:** [Lab 00](00_tour.ipynb) (TTFT, engine steps) and
 # [Lab 01](01_prefill_vs_decode.ipynb) (prefill cost grows with the prompt).
 #
@@ -94,11 +102,14 @@ llm = lab.engine_for(P, enable_prefix_caching=True,
                                    2 * PROMPT_TOKENS],
                      warm_batches=[1, N_REQ])
 tok = llm.get_tokenizer()
+print(P.describe())
+lab01 = lab.load_baseline("01")
+
+# %%
+# needs the engine: the engine's configuration (block size, KV pool)
 eng = llm.llm_engine
 BS = eng.config.block_size
-print(P.describe())
 print(f"KV cache: {eng.kv_spec.num_blocks} blocks of {BS} tokens, prefix caching on")
-lab01 = lab.load_baseline("01")
 
 # %% [markdown]
 # ## 1. How a prefix is found: whole blocks, chained
@@ -146,9 +157,11 @@ print(f"Each request: {len(ids1)} prompt tokens. The system prompt with its tool
 # depend on how fast this machine is.)
 
 # %%
+# needs the engine: the engine's cached-token counts (exercise 1)
 cached_predicted = None  # your prediction: a number of tokens
 
 # %%
+# needs the engine: the engine's cached-token counts (exercise 1)
 params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 cold = llm.generate([first.prompt], params, use_tqdm=False)[0]
 warm = llm.generate([second.prompt], params, use_tqdm=False)[0]
@@ -177,6 +190,7 @@ q1.check(cached_predicted)
 # **What to look for:** the warm request's TTFT well below the cold one's, in every kept pair.
 
 # %%
+# needs the engine: the engine's cached-token counts of cold and warm pairs
 pairs, pair_cal = px.cold_warm_pairs(llm, tok, SYSTEM_TOKENS + QUESTION_TOKENS, SYSTEM_TOKENS, AGENT,
                                      seed=100, seam="\n\nUser:")
 kept = pairs[pairs.kept]
@@ -227,12 +241,13 @@ POLICY = (
     "Reference documents:\n")
 SHARED = 7 / 8
 runs, counters = {}, {}
+counting = lab.current_target().in_process   # the engine's counters are in this notebook only
 for name, fraction in (("shared preamble", SHARED), ("unique prompts", 0.0)):
-    before = px.cache_counters(llm)
+    before = px.cache_counters(llm) if counting else {}
     runs[name] = px.prefix_experiment(P, num_requests=N_REQ, prompt_tokens=PROMPT_TOKENS,
                                       output_tokens=OUT_TOKENS, shared_fraction=fraction,
                                       preamble=POLICY, name=name)
-    after = px.cache_counters(llm)
+    after = px.cache_counters(llm) if counting else {}
     counters[name] = {k: after[k] - before[k] for k in before}
 shared_run, unique_run = runs["shared preamble"], runs["unique prompts"]
 
@@ -242,6 +257,7 @@ shared_run, unique_run = runs["shared preamble"], runs["unique prompts"]
 # latency:
 
 # %%
+# needs the engine: the engine's prefix-cache counters and step records
 rows = {}
 for name, run in runs.items():
     rep = px.cache_report(run)
@@ -291,10 +307,12 @@ print(f"Median TTFT: {med_s:.0f} ms with the shared preamble, {med_u:.0f} ms wit
 shared_run.requests[["request_id", "prompt_tokens", "cached_tokens", "queue_s", "ttft_s"]]
 
 # %%
+# needs the engine: the engine's cached-token counts (exercises 2 and 3)
 tokens_saved = None  # your answer, in tokens
 hit_rate = None      # your answer, a fraction between 0 and 1
 
 # %%
+# needs the engine: the engine's cached-token counts (exercises 2 and 3)
 per_request_hit = int(shared_run.requests.cached_tokens.max())
 q2 = ex.q2_tokens_saved(shared_run, per_request_hit)
 q2.check(tokens_saved)
@@ -310,6 +328,7 @@ q3.check(hit_rate)
 # admitted in the same step as the very first one found nothing yet.
 
 # %%
+# needs the engine: the engine's step records
 st = shared_run.steps
 pre = st[(st.num_prefill_tokens > 0) | (st.prefix_cache_hits > 0)].reset_index(drop=True)
 first_then_hits = bool(len(pre) > 1 and pre.prefix_cache_hits.iloc[0] == 0
@@ -349,6 +368,7 @@ print(f"{len(missed)} of {N_REQ} requests found nothing in the cache: {', '.join
 # difference is far too large to be chance: a p-value below `ALPHA` (0.01, set at the top).
 
 # %%
+# needs the engine: probes sent into the engine, and its cached-token counts (section 3)
 memos = [lab.text_of_length(tok, MEMO_TOKENS, seed=500 + i,
                             prefix=f"Memo {i:04d}, board only, strictly confidential.\n")
          for i in range(2 * K)]
@@ -361,6 +381,7 @@ leak_test = sc.two_sample_test(hit, miss, alpha=ALPHA)
 probes.groupby("group")[["ttft_s", "cached_tokens"]].median()
 
 # %%
+# needs the engine: probes sent into the engine, and its cached-token counts (section 3)
 hit_cached = probes.loc[probes.group == sc.SENT, "cached_tokens"]
 miss_cached = probes.loc[probes.group == sc.UNSENT, "cached_tokens"]
 leak_shown = leak_test.significant and hit.median() < miss.median()
@@ -396,6 +417,7 @@ print(f"The engine's counts, the same on any machine: every probe of a sent memo
 # `secret`; no peeking), then probes each of the four candidates once. Which company is it?
 
 # %%
+# needs the engine: probes sent into the engine, and its cached-token counts (section 3)
 candidates = ["Heron", "Kestrel", "Osprey", "Plover"]
 secret = candidates[np.random.default_rng(20240).integers(4)]   # the victim's choice
 memo_for = {c: lab.text_of_length(tok, MEMO_TOKENS, seed=77,
@@ -409,9 +431,11 @@ guess = ex.guess_table(guess_probes, candidates)
 guess[["candidate", "TTFT (ms)"]].round(0)
 
 # %%
+# needs the engine: probes sent into the engine, and its cached-token counts (section 3)
 acquisition_target = None  # your answer: one of "Heron", "Kestrel", "Osprey", "Plover"
 
 # %%
+# needs the engine: probes sent into the engine, and its cached-token counts (section 3)
 q4 = ex.q4_which_memo(guess, secret)
 q4.check(acquisition_target)
 # q4.hint()
@@ -429,6 +453,7 @@ u_stat = None  # your answer: a function, e.g.
 #     ...  # the number of pairs (x in a, y in b) with x > y, a tie counting 1/2
 
 # %%
+# needs the engine: the probe times of section 3
 q5 = ex.q5_u_statistic(1000 * hit, 1000 * miss)
 q5.check(u_stat)
 # q5.hint()
@@ -446,6 +471,7 @@ q5.check(u_stat)
 # is no longer significant at `ALPHA`.
 
 # %%
+# needs the engine: probes sent into the engine with a salt each (section 4)
 with lab.LoadProbe() as salted_load:
     victim_salted, salted = sc.timing_attack(llm, sent, unsent, victim_salt="tenant-legal",
                                              attacker_salt="tenant-other", seed=0)
@@ -475,9 +501,11 @@ print(f"The engine's count, the same on any machine: the attacker's probes found
 # Answer `"leak"` or `"no leak"`.
 
 # %%
+# needs the engine: probes sent into the engine with a salt each (section 4)
 salted_verdict = None  # your answer: "leak" or "no leak"
 
 # %%
+# needs the engine: probes sent into the engine with a salt each (section 4)
 q6 = ex.q6_salted(salted, salted_test)
 q6.check(salted_verdict)
 # q6.hint()
@@ -502,6 +530,7 @@ q6.check(salted_verdict)
 # `usage.prompt_tokens_details.cached_tokens` from each reply.
 
 # %%
+# needs the engine: a server of its own, with two tenants' API keys (section 5)
 from minserve.server import Auth, Principal
 
 keys = {"sk-legal": Principal("legal"), "sk-other": Principal("other")}
@@ -542,15 +571,17 @@ panel
 explore = px.prefix_experiment(P, num_requests=4, request_rate=4.0, prompt_tokens=PROMPT_TOKENS,
                                output_tokens=OUT_TOKENS, shared_fraction=SHARED, preamble=POLICY,
                                live=False)
-explore_rep = px.cache_report(explore)
-print(f"At 4 requests/s: {explore_rep['requests_with_hits']} of {explore_rep['requests']} requests "
-      f"hit, hit rate {explore_rep['hit_rate']:.2f}.")
+if lab.needs_engine("the engine's step records (the explore run's hit rate)"):
+    explore_rep = px.cache_report(explore)
+    print(f"At 4 requests/s: {explore_rep['requests_with_hits']} of {explore_rep['requests']} requests "
+          f"hit, hit rate {explore_rep['hit_rate']:.2f}.")
 explore.percentiles()
 
 # %% [markdown]
 # ## 7. Record your baseline
 
 # %%
+# needs the engine: the engine's records of sections 1 to 4 (the baseline)
 baseline = {
     "agent_cold_ttft_ms": round(cold_ms, 1),      # medians of the kept cold/warm pairs
     "agent_warm_ttft_ms": round(warm_ms, 1),
