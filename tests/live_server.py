@@ -9,11 +9,12 @@ import uvicorn
 
 
 @contextlib.contextmanager
-def live_server(app, timeout_s: float = 30.0):
-    """Serve ``app`` on 127.0.0.1; yields the base URL and stops the server on exit."""
+def live_server(app, timeout_s: float = 30.0, server: uvicorn.Server | None = None):
+    """Serve ``app`` on 127.0.0.1; yields the base URL and stops the server on exit. ``server``:
+    a uvicorn Server built elsewhere (e.g. cli.make_server's), run instead of a plain one."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # bound before uvicorn starts: no race for the port
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    srv = server or uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s

@@ -7,17 +7,16 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from minserve import SamplingParams
 from minserve.engine.llm_engine import LLMEngine
+from live_server import live_server
 from minserve.server import AdmissionConfig, ClassLimits, create_app
 
 MAX_NUM_SEQS, MAX_QUEUED = 2, 4
@@ -31,22 +30,9 @@ def server():
                                         max_num_batched_tokens=128, num_kv_blocks=64)
     limits = ClassLimits(max_queued_requests=MAX_QUEUED)
     app = create_app(engine, admission=AdmissionConfig(interactive=limits, batch=limits))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # bound before uvicorn starts: no race for the port
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    base = f"http://127.0.0.1:{port}"
-    yield SimpleNamespace(base=base, engine=engine, app=app, st=app.state.minserve,
-                          client=openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0))
-    srv.should_exit = True
-    thread.join(15)
-    sock.close()
+    with live_server(app) as base:
+        yield SimpleNamespace(base=base, engine=engine, app=app, st=app.state.minserve,
+                              client=openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0))
 
 
 def wait_idle(srv, timeout_s=20.0):

@@ -11,12 +11,13 @@ import resource
 import socket
 import subprocess
 import sys
-import threading
 import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
+
+from live_server import live_server
 
 from minserve.engine.llm_engine import LLMEngine
 from minserve.server import create_app
@@ -44,20 +45,8 @@ def tiny_app():
 def guarded_server(app, limits: ConnectionLimits):
     """``app`` behind make_server (the protocol `minserve serve` runs), on a free port."""
     srv = make_server(app, "127.0.0.1", 0, drain_timeout_s=0.5, log_level="warning", connections=limits)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    try:
-        yield srv, sock.getsockname()[1]
-    finally:
-        srv.should_exit = True
-        thread.join(15)
-        sock.close()
+    with live_server(app, server=srv) as base:
+        yield srv, int(base.rsplit(":", 1)[1])
 
 
 @pytest.fixture(scope="module")
