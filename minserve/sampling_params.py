@@ -113,8 +113,9 @@ def _token_id(name: str, value: object) -> int:
 
 def _plain_token_ids(values) -> bool:
     """All plain ints >= 0: what the server sends. Checked with C-level loops, since a list may
-    name the whole vocabulary and the per-item checks below cost ~2 us each (49 k ids: 0.1 s of
-    Python on the thread that prepares requests, which the engine thread then waits on for the GIL)."""
+    name the whole vocabulary and the per-item checks below are Python calls per id, on the thread
+    that prepares requests, which the engine thread then waits on for the GIL (a whole-vocabulary
+    request's preparation: benchmarks/bench_request_prep.py)."""
     return set(map(type, values)) <= {int} and (not values or min(values) >= 0)
 
 

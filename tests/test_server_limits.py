@@ -225,7 +225,7 @@ def test_token_id_lists_may_name_each_token_once_and_no_more(server):
 ])
 def test_lists_of_objects_are_bounded_in_the_schema(server, field, item, most):
     """Bounded while parsing (pydantic stops at the first item past the bound): 110 k empty
-    messages used to take 0.75 s of the event loop, every stream frozen meanwhile."""
+    messages used to take ~0.5 s of the event loop, every stream frozen meanwhile."""
     base, _ = server
     body = {**chat(), field: [item] * (most + 1)}
     err = assert_error(post_raw(base, CHAT_PATH, body), 400, field)

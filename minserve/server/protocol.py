@@ -118,8 +118,9 @@ Bias = Annotated[float, Strict()]
 
 
 # Lists of objects are bounded in the schema itself: pydantic builds one Python object per item on
-# the event loop, ~7 us each, so a 4 MiB body of 110 k empty messages froze every stream for 0.75 s
-# before any check of ours could run; with max_length it stops at the first item past the bound.
+# the event loop, so a 4 MiB body of 110 k empty messages froze every stream for ~0.5 s before any
+# check of ours could run; with max_length it stops at the first item past the bound, in ~2 ms
+# (benchmarks/bench_request_prep.py).
 # No conversation that fits a context of tens of thousands of tokens has more messages (a message
 # costs a few template tokens even when empty); 128 tools and tool calls is OpenAI's own limit.
 MAX_MESSAGES = 4096
