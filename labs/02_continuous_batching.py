@@ -47,7 +47,10 @@
 # **Against a server** (`MINSERVE_LAB_TARGET=http://host:port`, see the README's labs section):
 # sections 2 and 4 (the workload; runs A, B and the load sweep C, exercise 3's knee) and the
 # explore panel run over HTTP, on the server's own seats (its `max_num_seqs`; the lab asks for
-# `SEATS` but cannot set it), with queue times unknown to a client. Section 3 (static batching's
+# `SEATS` but cannot set it, and reads them from the server's `/metrics`), with queue times unknown
+# to a client. The knee needs a server with fewer seats than the sweep's requests (32 in `quick`):
+# start it with `--max-num-seqs 4` (vLLM's default of hundreds never makes a request wait, and the
+# lab then says it found no knee). Section 3 (static batching's
 # gate, step records, exercises 1 and 2) and exercise 4 (queue and prefill times) need the
 # engine in this notebook, and are skipped with one line each.
 #

@@ -227,6 +227,18 @@ def test_achieved_rate_falls_back_without_admission_times():
     assert capacity.achieved_rate(tiny) == tiny.summary["request_throughput"]
 
 
+def test_over_http_the_seats_are_the_most_requests_the_server_showed_running():
+    # A server's max_num_seqs is not in a client's settings: the /metrics samples stand in.
+    run = simulated_run(1e9, SERVICES)                      # every request at once, 4 seats
+    run.requests["first_scheduled_s"] = math.nan
+    run.settings = {}
+    run.state["num_running"] = [min(SEATS, i + 1) for i in range(len(run.state))]
+    assert capacity.achieved_rate(run) == pytest.approx(CAPACITY, rel=0.15)
+    # Seats for every request (vLLM's default of hundreds): nobody waited, no steady state to read.
+    run.state["num_running"] = len(SERVICES)
+    assert capacity.achieved_rate(run) == run.summary["request_throughput"]
+
+
 def simulated_sweep(capacity_estimate, speed=1.0):
     rate_b = round(0.65 * capacity_estimate, 2)
     rates = [rate_b] + lab02.sweep_rates(rate_b, capacity_estimate)

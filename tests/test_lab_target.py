@@ -12,19 +12,16 @@ prints its one skip line and nothing else, every other cell runs.
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 import minserve.lab as lab
 from minserve.lab import target as tg
-
-ROOT = Path(__file__).resolve().parents[1]
+from lab_runs import ROOT, SERVER_LABS, check_server_run, run_lab
 
 
 @pytest.fixture(autouse=True)
@@ -199,45 +196,7 @@ def minserve_serve(tmp_path_factory):
             proc.kill()
 
 
-def _run_lab(name: str, base: str, results: Path):
-    import jupytext
-    import nbclient
-    env = {tg.TARGET_ENV: base, tg.API_KEY_ENV: "sk-lab-target", "MINSERVE_LAB_CI": "1",
-           "MINSERVE_LAB_RESULTS": str(results)}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)      # the kernel inherits this process's environment
-    try:
-        nb = jupytext.read(ROOT / "labs" / f"{name}.py")
-        nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                resources={"metadata": {"path": str(ROOT / "labs")}}).execute()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return nb
-
-
-def _text(cell) -> str:
-    return "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream")
-
-
-@pytest.mark.parametrize("name", ["01_prefill_vs_decode", "02_continuous_batching",
-                                  "07_overload_and_goodput"])
+@pytest.mark.parametrize("name", SERVER_LABS)
 def test_lab_runs_top_to_bottom_against_a_server(name, minserve_serve, tmp_path):
-    nb = _run_lab(name, minserve_serve, tmp_path)      # raises on any cell's error
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    marked = [c for c in code if tg.MARKER.match(next((ln for ln in c.source.splitlines() if ln.strip()), ""))]
-    assert marked, f"{name} has no cell that needs the engine"
-    for c in marked:
-        what = tg.MARKER.match(next(ln for ln in c.source.splitlines() if ln.strip()))["what"]
-        assert _text(c) == f"skipped against {minserve_serve} (in process only): this exercise needs {what}\n"
-        assert not [o for o in c.outputs if o.output_type != "stream"]
-    ran = [c for c in code if c not in marked]
-    assert all(c.execution_count for c in ran)
-    # The server-capable sections measured something: their lessons were judged, the baseline
-    # was written, and the run summary came last.
-    assert any("Lesson" in _text(c) for c in ran)
-    assert (tmp_path / f"{name[:2]}.json").exists()
-    assert f"Lab {name[:2]} ran in" in _text(ran[-1]) or "ran in" in str(ran[-1].outputs)
+    nb = run_lab(name, minserve_serve, tmp_path, api_key="sk-lab-target")
+    check_server_run(name, nb, minserve_serve, tmp_path)

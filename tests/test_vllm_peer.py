@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from minserve import SamplingParams
+from lab_runs import SERVER_LABS, check_server_run, run_lab
 from prompts import mixed_prompts
 from vllm_peer import vllm_server, vllm_venv, vllm_venv_dir
 
@@ -40,8 +41,11 @@ VLLM_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:k
 def peer(tmp_path_factory):
     if vllm_venv() is None:
         pytest.skip(f"vLLM's CPU build is not set up: run `make vllm-venv` (looked in {vllm_venv_dir()})")
-    # Prefix caching is vLLM's default; said explicitly because test (c) counts its hits.
-    with vllm_server(max_model_len=MAX_MODEL_LEN, extra_args=("--enable-prefix-caching",),
+    # Prefix caching is vLLM's default; said explicitly because test (c) counts its hits. 16 seats
+    # (vLLM's default is hundreds): lab 01 measures batches up to 16, and lab 02's load sweep (32
+    # requests) finds its knee only where requests have to wait for a seat.
+    with vllm_server(max_model_len=MAX_MODEL_LEN,
+                     extra_args=("--enable-prefix-caching", "--max-num-seqs", "16"),
                      log_dir=tmp_path_factory.mktemp("vllm")) as p:
         yield p
 
@@ -210,3 +214,17 @@ def test_lab_workload_and_its_live_figure_data_from_vllm(peer, smol_llm):
     assert hits > 0, "the repeated prompt found nothing in vLLM's prefix cache"
     assert (after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
             >= sum(r.prompt_len for r in reqs))
+
+
+# ---- (d) whole labs against vLLM ---------------------------------------------------------------
+
+@pytest.mark.parametrize("name", SERVER_LABS)
+def test_lab_runs_top_to_bottom_against_vllm(name, peer, tmp_path):
+    """Labs 01, 02 and 07 with ``MINSERVE_LAB_TARGET`` set to vLLM: every server-capable section
+    runs on what vLLM's responses and /metrics report, each cell that needs minserve's own engine
+    prints its skip line, and the lessons are judged on vLLM's numbers."""
+    pytest.importorskip("nbclient")
+    pytest.importorskip("jupytext")
+    nb = run_lab(name, peer.base_url, tmp_path)
+    lessons = check_server_run(name, nb, peer.base_url, tmp_path)
+    print(f"{name} against vLLM:", *lessons, sep="\n  ")

@@ -269,20 +269,34 @@ def achieved_rate(run, seats: int | None = None) -> float:
     the same thing seen from the queue: admissions fall behind arrivals exactly when, and by as
     much as, the queue builds.)
 
-    Over HTTP (no admission times) the first-token times stand in for them. Falls back to the
-    whole-run ``request_throughput`` when the run has too few requests to measure a rate."""
+    Over HTTP (no admission times) the first-token times stand in for them, and the seats are
+    the most requests the server's ``/metrics`` showed running (a client cannot read its
+    ``max_num_seqs``); a server that ran every request at once never made one wait, so it shows
+    no steady state and the whole-run throughput is all there is. Falls back to the whole-run
+    ``request_throughput`` too when the run has too few requests to measure a rate."""
     r = run.requests[run.requests.success]
     times = r.first_scheduled_s.to_numpy(float) if "first_scheduled_s" in r else np.array([])
     if not len(times) or not np.isfinite(times).all():
         times = r.first_token_s.to_numpy(float)
     times = np.sort(times[np.isfinite(times)])
     if seats is None:
-        seats = int(run.settings.get("max_num_seqs") or 1)
+        seats = run.settings.get("max_num_seqs") or _peak_running(run)
+        if seats is not None and seats >= len(times) and not run.settings.get("max_num_seqs"):
+            return float(run.summary.get("request_throughput", math.nan))
+        seats = int(seats or 1)
     skip = min(int(seats), max(0, len(times) - 3))  # keep at least three admissions
     span = times[-1] - times[skip] if len(times) >= 2 else 0.0
     if len(times) - skip < 2 or span <= 0:
         return float(run.summary.get("request_throughput", math.nan))
     return float((len(times) - 1 - skip) / span)
+
+
+def _peak_running(run) -> int | None:
+    """The most requests the run's state samples saw running (None without samples)."""
+    state = getattr(run, "state", None)
+    if state is None or "num_running" not in state or not state.num_running.notna().any():
+        return None
+    return int(state.num_running.max())
 
 
 def load_table(runs: dict, offered: str = "offered req/s") -> "pd.DataFrame":
