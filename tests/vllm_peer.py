@@ -119,9 +119,11 @@ def _tail(path: Path, n: int = 40) -> str:
 
 @contextlib.contextmanager
 def vllm_server(dtype: str = "float32", max_model_len: int = 2048, extra_args: tuple[str, ...] = (),
-                log_dir: str | Path | None = None, start_timeout_s: float = START_TIMEOUT_S):
+                log_dir: str | Path | None = None, start_timeout_s: float = START_TIMEOUT_S,
+                env: dict[str, str] | None = None):
     """Start vLLM's OpenAI server on a free port, wait for ``/health``, yield a :class:`VllmPeer`,
-    and stop the server (its whole process group: vLLM runs its engine in a child) on exit."""
+    and stop the server (its whole process group: vLLM runs its engine in a child) on exit.
+    ``env`` adds variables to :func:`vllm_env`'s, e.g. ``VLLM_CPU_OMP_THREADS_BIND``."""
     python = vllm_venv()
     if python is None:
         raise RuntimeError(f"no vLLM venv at {vllm_venv_dir()}: run `make vllm-venv`")
@@ -136,7 +138,7 @@ def vllm_server(dtype: str = "float32", max_model_len: int = 2048, extra_args: t
     with open(log_path, "wb") as log:
         # A new session: the server and the engine process it spawns share one process group, so
         # one signal stops both, and a Ctrl-C in pytest does not reach vLLM first.
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(python),
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(python, **(env or {})),
                                 cwd=log_dir, start_new_session=True)
     base_url = f"http://127.0.0.1:{port}"
     try:
