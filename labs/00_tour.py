@@ -30,7 +30,8 @@
 #
 # **Against a server** (`MINSERVE_LAB_TARGET=http://host:port`): this tour builds its own engine
 # (`LLM(...)` with the settings it explains, and it steps that engine by hand), so it runs in the
-# notebook even when `MINSERVE_LAB_TARGET` is set; nothing in it goes to the server.
+# notebook even when `MINSERVE_LAB_TARGET` is set. One cell, in section 8, also sends its eight
+# requests to the target's server, to show the lab toolkit over HTTP.
 #
 # **Prerequisites:** Python and a little pandas; no serving background needed.
 #
@@ -357,6 +358,27 @@ waited = r.loc[r.queue_s.idxmax()]
 print(f"The longest prompt ({longest.prompt_tokens} tokens) was prefilled in {n_chunks} chunk(s); "
       f"request {waited.label!r} queued longest, {waited.queue_s * 1000:.0f} ms, "
       f"and its TTFT was {waited.ttft_s * 1000:.0f} ms.")
+
+# %% [markdown]
+# The same eight requests can go to a server instead: when the lab's target is one
+# (`MINSERVE_LAB_TARGET`, with `MINSERVE_LAB_API_KEY`), the next cell sends them there with
+# `base_url=` and draws the same figure from the responses and the server's `/metrics`. A client
+# sees latencies, not the engine's records, so that run has no timeline. In the notebook's own
+# engine (the default) there is nothing to send, and the cell says so.
+
+# %%
+target = lab.current_target()
+if target.in_process:
+    print("The target is the engine in this notebook: set MINSERVE_LAB_TARGET=http://host:port "
+          "to send these requests to a server too.")
+else:
+    served = lab.run_workload(base_url=target.base_url, requests=tour_reqs,
+                              name=f"the same 8 requests at {target.base_url}")
+    k = served.key_numbers()
+    print(f"On the server: median TTFT {k['median_ttft_ms']:.0f} ms, median TPOT "
+          f"{k['median_tpot_ms']:.1f} ms; in this notebook's engine: "
+          f"{tour_run.key_numbers()['median_ttft_ms']:.0f} and "
+          f"{tour_run.key_numbers()['median_tpot_ms']:.1f} ms.")
 
 # %% [markdown]
 # ## 9. Check

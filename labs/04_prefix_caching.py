@@ -51,11 +51,12 @@
 #
 # **Against a server** (`MINSERVE_LAB_TARGET=http://host:port`, see the README's labs section):
 # section 2's two workloads run over HTTP (client-side TTFT per request, the server's own prefix
-# cache, which must be on), and so does the explore panel. The cached-token counts of section 1,
-# the step-by-step cache counters of section 2 and its exercises 2 and 3, the timing attack and the
-# salts of sections 3 and 4 (probes sent into the engine with a `cache_salt` each), section 5 (a
-# server of its own with two tenants' keys, started here) and the baseline read or drive the
-# engine in this notebook, and are skipped with one line each.
+# cache, which must be on, and its `vllm:prefix_cache_queries` / `_hits` counters read from its
+# `/metrics`, which on a server with keys needs an admin key), and so does the explore panel. The
+# cached-token counts of section 1, the step records of section 2 and its exercises 2 and 3, the
+# timing attack and the salts of sections 3 and 4 (probes sent into the engine with a
+# `cache_salt` each), section 5 (a server of its own with two tenants' keys, started here) and the
+# baseline read or drive the engine in this notebook, and are skipped with one line each.
 #
 # **Prerequisites:** [Lab 00](00_tour.ipynb) (TTFT, engine steps) and
 # [Lab 01](01_prefill_vs_decode.ipynb) (prefill cost grows with the prompt).
@@ -241,33 +242,34 @@ POLICY = (
     "Reference documents:\n")
 SHARED = 7 / 8
 runs, counters = {}, {}
-counting = lab.current_target().in_process   # the engine's counters are in this notebook only
 for name, fraction in (("shared preamble", SHARED), ("unique prompts", 0.0)):
-    before = px.cache_counters(llm) if counting else {}
+    before = px.cache_counters(llm)    # over HTTP: the server's /metrics
     runs[name] = px.prefix_experiment(P, num_requests=N_REQ, prompt_tokens=PROMPT_TOKENS,
                                       output_tokens=OUT_TOKENS, shared_fraction=fraction,
                                       preamble=POLICY, name=name)
-    after = px.cache_counters(llm) if counting else {}
+    after = px.cache_counters(llm)
     counters[name] = {k: after[k] - before[k] for k in before}
 shared_run, unique_run = runs["shared preamble"], runs["unique prompts"]
 
 # %% [markdown]
 # The engine's two Prometheus counters, read before and after each run, next to the same numbers
 # summed from its step records (they must agree), the prompt tokens actually prefilled and the
-# latency:
+# latency. Against a server the counters come from its `/metrics` (a shared server's count every
+# participant's requests, so a neighbour's run can add to them) and there are no step records.
 
 # %%
-# needs the engine: the engine's prefix-cache counters and step records
 rows = {}
 for name, run in runs.items():
-    rep = px.cache_report(run)
-    assert rep["queries"] == counters[name]["queries"] and rep["hits"] == counters[name]["hits"], \
-        "the Prometheus counters and the step records disagree"
-    rows[name] = {"vllm:prefix_cache_queries": counters[name]["queries"],
-                  "vllm:prefix_cache_hits": counters[name]["hits"],
-                  "prompt tokens prefilled": rep["computed"],
-                  "requests that hit": f"{rep['requests_with_hits']} of {rep['requests']}",
-                  "median TTFT (ms)": 1000 * run.requests.ttft_s.median(),
+    c = counters[name]
+    row = {"vllm:prefix_cache_queries": c["queries"], "vllm:prefix_cache_hits": c["hits"],
+           "prompt tokens prefilled": c["queries"] - c["hits"]}
+    if run.in_process:   # the step records count the same tokens, step by step
+        rep = px.cache_report(run)
+        assert rep["queries"] == c["queries"] and rep["hits"] == c["hits"], \
+            "the Prometheus counters and the step records disagree"
+        row.update({"prompt tokens prefilled": rep["computed"],
+                    "requests that hit": f"{rep['requests_with_hits']} of {rep['requests']}"})
+    rows[name] = {**row, "median TTFT (ms)": 1000 * run.requests.ttft_s.median(),
                   "max TTFT (ms)": 1000 * run.requests.ttft_s.max()}
 report = pd.DataFrame(rows).T
 report

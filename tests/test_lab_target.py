@@ -12,16 +12,19 @@ prints its one skip line and nothing else, every other cell runs.
 
 from __future__ import annotations
 
+import math
 import socket
 import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
 import minserve.lab as lab
 from minserve.lab import target as tg
-from lab_runs import ROOT, SERVER_LABS, check_server_run, run_lab
+from lab_runs import ROOT, SERVER_LABS, check_server_run, run_lab, stream_text
+from vllm_peer import vllm_venv
 
 
 @pytest.fixture(autouse=True)
@@ -114,7 +117,8 @@ def keyed_server(tiny_llm):
     from live_server import live_server
     from minserve.server import create_app
     from minserve.server.auth import Auth, Principal
-    app = create_app(tiny_llm.llm_engine, auth=Auth({"sk-lab": Principal("lab", admin=True)}))
+    app = create_app(tiny_llm.llm_engine, auth=Auth({"sk-lab": Principal("lab", admin=True),
+                                                     "sk-user": Principal("user")}))
     with live_server(app) as base:
         yield base, tiny_llm
 
@@ -131,6 +135,25 @@ def test_run_workload_and_offer_send_the_targets_key(keyed_server, monkeypatch):
     res = lab.traffic.offer(base, lab.traffic.calls(reqs), live=False)
     assert (res.requests.outcome == "ok").all()
     assert len(res.state) and res.state.num_running.notna().any()
+
+
+def test_prefix_cache_counters_come_from_the_targets_metrics(keyed_server, capsys):
+    from minserve.lab import prefix as px
+    base, llm = keyed_server
+    remote = lab.RemoteLLM(lab.Target(base, "sk-lab"), "tiny-llama")
+    before = px.cache_counters(remote)
+    text = lab.make_requests(llm.get_tokenizer(), 64, 2, num_requests=1)[0].prompt
+    for _ in range(2):   # the second finds the first one's full blocks
+        r = httpx.post(f"{base}/v1/completions", headers={"Authorization": "Bearer sk-lab"},
+                       json={"model": "tiny-llama", "prompt": text, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200, r.text
+    after = px.cache_counters(remote)
+    assert after["queries"] - before["queries"] >= 2 * 60
+    assert after["hits"] - before["hits"] >= 48          # at least three 16-token blocks
+    # A participant's key does not see /metrics: NaN and one line, not an exception.
+    nan = px.cache_counters(lab.RemoteLLM(lab.Target(base, "sk-user"), "tiny-llama"))
+    assert math.isnan(nan["queries"]) and math.isnan(nan["hits"])
+    assert "answered 403: no prefix-cache counters" in capsys.readouterr().out
 
 
 def test_without_the_key_the_keyed_server_refuses(keyed_server, monkeypatch):
@@ -171,7 +194,7 @@ def minserve_serve(tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     cmd = [sys.executable, "-m", "minserve.cli", "serve", "smollm2-135m", "--port", str(port),
-           "--max-num-seqs", "4", "--no-enable-prefix-caching", "--api-key", "sk-lab-target"]
+           "--max-num-seqs", "4", "--api-key", "sk-lab-target"]   # prefix caching on: lab 04
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
@@ -196,7 +219,28 @@ def minserve_serve(tmp_path_factory):
             proc.kill()
 
 
-@pytest.mark.parametrize("name", SERVER_LABS)
+# Labs 01 and 02 run against a real vLLM in tests/test_vllm_peer.py when its venv is set up (CI
+# sets it up); here they run only without it, so that every server-capable lab runs against some
+# server in every test run, and CI does not pay for them twice.
+MINSERVE_LABS = ("04_prefix_caching", "07_overload_and_goodput",
+                 *(() if vllm_venv() else SERVER_LABS[:2]))
+
+
+@pytest.mark.parametrize("name", MINSERVE_LABS)
 def test_lab_runs_top_to_bottom_against_a_server(name, minserve_serve, tmp_path):
     nb = run_lab(name, minserve_serve, tmp_path, api_key="sk-lab-target")
-    check_server_run(name, nb, minserve_serve, tmp_path)
+    lessons = check_server_run(name, nb, minserve_serve, tmp_path, baseline=not name.startswith("04"))
+    if name.startswith("04"):   # section 2 read the server's prefix-cache counters
+        assert any("04-shared-workload" in ln or "preamble" in ln for ln in lessons), lessons
+        report = next(c for c in nb.cells if c.cell_type == "code" and c.source.startswith("rows = {}"))
+        html = "".join(str(o.get("data", {}).get("text/plain", "")) for o in report.outputs)
+        assert "vllm:prefix_cache_hits" in html and "shared preamble" in html, html
+
+
+def test_the_tour_sends_its_eight_requests_to_the_target(minserve_serve, tmp_path):
+    """Lab 00 builds its own engine; its section 8 also sends its eight requests to the server."""
+    nb = run_lab("00_tour", minserve_serve, tmp_path, api_key="sk-lab-target")
+    texts = [stream_text(c) for c in nb.cells if c.cell_type == "code"]
+    served = [t for t in texts if t.startswith("On the server:")]
+    assert len(served) == 1, texts
+    assert "Lab 00 ran in" in texts[-1]

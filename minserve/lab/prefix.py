@@ -38,10 +38,37 @@ def common_prefix_tokens(a: Sequence[int], b: Sequence[int]) -> int:
 
 def cache_counters(llm) -> dict[str, float]:
     """The engine's prefix-cache counters (``vllm:prefix_cache_queries`` and ``_hits``, in tokens,
-    since the engine started): take them before and after a run and subtract."""
+    since the engine started): take them before and after a run and subtract.
+
+    ``llm`` may be the lab's :class:`~minserve.lab.target.RemoteLLM` (the target is a server):
+    the same two counters then come from the server's ``/metrics`` (``..._total``, vLLM's names,
+    with the target's key). They count every client's requests: on a shared server the deltas
+    include the neighbours' traffic. A server that does not show its ``/metrics`` to this key (a
+    workshop participant's key gets 403) gives NaN for both, with one line saying why."""
+    base = getattr(llm, "base_url", None)
+    if base is not None:
+        return _server_counters(base, getattr(llm, "target", None))
     snap = getattr(llm, "llm_engine", llm).snapshot()
     return {"queries": float(snap.get("vllm:prefix_cache_queries", 0.0)),
             "hits": float(snap.get("vllm:prefix_cache_hits", 0.0))}
+
+
+def _server_counters(base_url: str, target=None) -> dict[str, float]:
+    import httpx
+
+    from minserve.bench.server_metrics import parse_metrics_text
+    headers = target.headers() if target is not None else {}
+    try:
+        resp = httpx.get(f"{base_url.rstrip('/')}/metrics", headers=headers, timeout=10)
+        status = resp.status_code
+    except httpx.HTTPError as e:
+        status = type(e).__name__
+    if status != 200:
+        print(f"{base_url}/metrics answered {status}: no prefix-cache counters from this server "
+              "(a server with keys shows them to an admin key only)")
+        return {"queries": math.nan, "hits": math.nan}
+    values = parse_metrics_text(resp.text)
+    return {"queries": values["prefix_cache_queries_total"], "hits": values["prefix_cache_hits_total"]}
 
 
 def shared_prefix_requests(tokenizer, num_requests: int, prompt_tokens: int, output_tokens: int,
