@@ -1,0 +1,217 @@
+"""This CPU's ceilings, and how close each of minserve's step types comes to them, per format.
+
+A step is bound by one of two things: the bytes it must read (weights, KV cache) over the memory
+bandwidth, or the arithmetic it must do over the rate of the vector units. Which one, and how far
+the step is from it, is the first thing to know before optimizing it. This script measures both
+ceilings here and then times the three step types that decide a server's behaviour:
+
+- **ceilings**: the instruction rates of fp32 FMA, bf16 dot products (``vdpbf16ps``, AVX-512
+  BF16) and int8 dot products (``vpdpbusd``, VNNI), measured in registers by kernels/ceiling.c on
+  every thread; the rate PyTorch's own GEMM reaches on a 2048-cube in fp32 and bf16 (what the
+  library achieves, cache blocking included); the read bandwidth (``torch.sum`` over 512 MiB);
+- **prefill**: one prompt of ``--prefill-len`` tokens in one step (the budget allows it);
+- **batch-16 decode**: the median decode step with 16 requests running;
+- **batch-1 decode**: the median decode step of one request.
+
+For each step and format the table gives the measured step time, the arithmetic it did (the
+planner's formulas, minserve/plan/budget.py: matmuls of every layer, attention, the LM head of the
+sampled rows) as GFLOP/s and as a fraction of the fp32 and bf16 ceilings, the bytes it read as GB/s
+and as a fraction of the bandwidth, and the roofline: the least time the step could take at the
+fastest arithmetic its format could use (fp32: fp32 FMA; bf16, int8, int4: bf16 dot products,
+the best this host offers for float activations) and full bandwidth, over the measured time.
+
+    .venv/bin/python benchmarks/bench_roofline.py                     # fp32, bf16, int8, int4
+    .venv/bin/python benchmarks/bench_roofline.py --formats fp32,int4 --runs 5
+    .venv/bin/python benchmarks/bench_roofline.py --ceilings-only
+
+Run it on a quiet machine: a neighbour's threads take vector units and bandwidth from both the
+ceilings and the steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+FORMATS = {"fp32": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"},
+           "int4": {"quantization": "int4"}}
+KINDS = {"fp32_fma": 0, "bf16_dot": 1, "int8_dot": 2}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--formats", default=",".join(FORMATS), help=f"comma list of {', '.join(FORMATS)}")
+    ap.add_argument("--prefill-len", type=int, default=1024)
+    ap.add_argument("--runs", type=int, default=3, help="repeats of each step measurement (median)")
+    ap.add_argument("--ceilings-only", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/roofline.json")
+    a = ap.parse_args(argv)
+    a.format_list = [f.strip() for f in a.formats.split(",") if f.strip()]
+    bad = [f for f in a.format_list if f not in FORMATS]
+    if bad:
+        ap.error(f"--formats must name only {', '.join(FORMATS)}, got {bad}")
+    return a
+
+
+# ---- ceilings -----------------------------------------------------------------------------------
+
+def _ceiling_lib():
+    from minserve.kernels.build import load
+    lib = load("ceiling")
+    lib.ms_ceiling_ops_per_iter.restype = ctypes.c_int64
+    lib.ms_ceiling_ops_per_iter.argtypes = [ctypes.c_int]
+    lib.ms_ceiling_threads.restype = ctypes.c_int
+    for name in ("ms_ceiling_fp32", "ms_ceiling_bf16", "ms_ceiling_int8"):
+        getattr(lib, name).restype = ctypes.c_double
+        getattr(lib, name).argtypes = [ctypes.c_int64]
+    return lib
+
+
+def instruction_rate(lib, kind: str, seconds: float = 0.3, repeats: int = 5) -> float | None:
+    """Operations per second of one instruction kind on every thread; None if not built here."""
+    per_iter = lib.ms_ceiling_ops_per_iter(KINDS[kind])
+    if per_iter < 0:
+        return None
+    fn = getattr(lib, {"fp32_fma": "ms_ceiling_fp32", "bf16_dot": "ms_ceiling_bf16",
+                       "int8_dot": "ms_ceiling_int8"}[kind])
+    iters = 1 << 16
+    while True:   # grow the call until it lasts long enough to time
+        t0 = time.perf_counter()
+        fn(iters)
+        if time.perf_counter() - t0 > seconds / 4:
+            break
+        iters *= 2
+    best = min(_timed(fn, iters) for _ in range(repeats))
+    return lib.ms_ceiling_threads() * iters * per_iter / best
+
+
+def _timed(fn, iters: int) -> float:
+    t0 = time.perf_counter()
+    fn(iters)
+    return time.perf_counter() - t0
+
+
+def ceilings() -> dict:
+    import torch
+
+    from minserve.plan.probe import measure_bandwidth, measure_matmul
+    lib = _ceiling_lib()
+    out = {"threads": lib.ms_ceiling_threads()}
+    for kind in KINDS:
+        out[kind] = instruction_rate(lib, kind)
+    out["fp32_gemm_torch"] = measure_matmul(torch.float32)
+    out["bf16_gemm_torch"] = measure_matmul(torch.bfloat16)
+    out["read_bandwidth"] = measure_bandwidth()
+    return out
+
+
+# ---- steps --------------------------------------------------------------------------------------
+
+def measure_steps(fmt: str, args) -> dict:
+    """Median step times (s) of prefill, batch-16 decode and batch-1 decode for one format."""
+    from minserve import LLM, SamplingParams
+    llm = LLM("smollm2-135m", max_num_seqs=16, max_num_batched_tokens=max(2048, args.prefill_len),
+              max_model_len=max(2048, args.prefill_len + 64), enable_prefix_caching=False, seed=0,
+              **FORMATS[fmt])
+    eng = llm.llm_engine
+    tok = llm.get_tokenizer()
+    from minserve.lab.workload import make_requests
+    long_ids = [tok(r.prompt).input_ids[:args.prefill_len] for r in
+                make_requests(tok, args.prefill_len, 1, num_requests=args.runs + 1, seed=5)]
+    short_ids = [tok(r.prompt).input_ids[:64] for r in make_requests(tok, 64, 1, num_requests=16, seed=6)]
+
+    def steps_of(prompts, max_tokens):
+        first = eng.num_steps
+        llm.generate([{"prompt_token_ids": p} for p in prompts],
+                     SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+        st = eng.steps_frame()
+        return st[st.step >= first] if "step" in st else st.iloc[-(eng.num_steps - first):]
+
+    prefill_s = []
+    for i, ids in enumerate(long_ids):
+        st = steps_of([ids], 1)
+        t = st[st.num_prefill_tokens == len(ids)].step_time_s
+        if i and len(t):          # the first prompt warms the shape up
+            prefill_s.append(float(t.iloc[0]))
+    decode = {}
+    for batch in (16, 1):
+        steps_of(short_ids[:batch], 8)   # warm-up of this batch size
+        times = []
+        for _ in range(args.runs):
+            st = steps_of(short_ids[:batch], 32)
+            d = st[(st.num_prefill_tokens == 0) & (st.num_decode_tokens == batch)]
+            times += list(d.step_time_s)
+        decode[batch] = statistics.median(times)
+    from minserve.engine.kv_cache import kv_cache_bytes_per_token
+    kv = kv_cache_bytes_per_token(eng.model_config, dtype=FORMATS[fmt].get("dtype", "float32"))
+    return {"prefill_s": statistics.median(prefill_s), "decode16_s": decode[16], "decode1_s": decode[1],
+            "weight_bytes": eng.runner.weight_footprint().streamed_bytes, "kv_bytes_per_token": kv,
+            "cfg": eng.model_config}
+
+
+def step_rows(fmt: str, m: dict, ceil: dict, args) -> list[dict]:
+    """One row per step type: what it did, how fast, and how far from its roofline."""
+    from minserve.plan import budget
+    cfg, w, kv, bw = m["cfg"], m["weight_bytes"], m["kv_bytes_per_token"], ceil["read_bandwidth"]
+    # The fastest arithmetic the format's float activations can use here: bf16 dot products for
+    # everything but fp32 itself (a quantized weight is expanded before the product).
+    rate = ceil["fp32_fma"] if fmt == "fp32" else (ceil["bf16_dot"] or ceil["fp32_fma"])
+    ctx = 64 + 16   # the decode runs: 64-token prompts, the median step about 16 tokens in
+    shapes = {"prefill": budget.prefill(cfg, w, kv, args.prefill_len, bw, rate),
+              "decode, batch 16": budget.decode_step(cfg, w, kv, 16, ctx, bw, rate),
+              "decode, batch 1": budget.decode_step(cfg, w, kv, 1, ctx, bw, rate)}
+    times = {"prefill": m["prefill_s"], "decode, batch 16": m["decode16_s"], "decode, batch 1": m["decode1_s"]}
+    rows = []
+    for step, roof in shapes.items():
+        t = times[step]
+        rows.append({"format": fmt, "step": step, "ms": 1000 * t, "GFLOP/s": roof.flops / t / 1e9,
+                     "% fp32 FMA": 100 * roof.flops / t / ceil["fp32_fma"],
+                     "% bf16 dot": 100 * roof.flops / t / ceil["bf16_dot"] if ceil["bf16_dot"] else None,
+                     "GB/s": roof.bytes / t / 1e9, "% bandwidth": 100 * roof.bytes / t / bw,
+                     "bound": roof.bound, "roofline ms": 1000 * roof.seconds,
+                     "% of roofline": 100 * roof.seconds / t})
+    return rows
+
+
+def markdown(ceil: dict, rows: list[dict]) -> str:
+    def g(x):
+        return "n/a" if x is None else f"{x / 1e9:,.0f}"
+    lines = [f"Ceilings ({ceil['threads']} threads): fp32 FMA {g(ceil['fp32_fma'])} GFLOP/s, bf16 dot "
+             f"{g(ceil['bf16_dot'])} GFLOP/s, int8 dot {g(ceil['int8_dot'])} GOP/s (instruction rates); "
+             f"torch GEMM fp32 {g(ceil['fp32_gemm_torch'])}, bf16 {g(ceil['bf16_gemm_torch'])} GFLOP/s; "
+             f"read bandwidth {ceil['read_bandwidth'] / 1e9:.1f} GB/s", ""]
+    if rows:
+        cols = list(rows[0])
+        lines += ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+        for r in rows:
+            lines.append("| " + " | ".join(v if isinstance(v, str) else "-" if v is None else f"{v:,.1f}"
+                                           for v in r.values()) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = parse_args()
+    sys.path.insert(0, str(HERE))
+    from bench_offline import machine_info
+    print("measuring the ceilings ...", flush=True)
+    ceil = ceilings()
+    rows = []
+    if not args.ceilings_only:
+        for fmt in args.format_list:
+            print(f"timing {fmt} steps ...", flush=True)
+            rows += step_rows(fmt, measure_steps(fmt, args), ceil, args)
+    res = {"machine": machine_info(), "ceilings": ceil, "rows": rows, "markdown": markdown(ceil, rows)}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2, default=str))
+    print("\n" + res["markdown"] + f"\n\nresults: {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+// The CPU's arithmetic ceilings, measured: how many multiply-adds per second its vector units
+// retire when nothing else limits them (no memory traffic, no dependency stalls).
+//
+// Each function runs `iters` rounds of ACC independent accumulator chains per thread, entirely in
+// registers, on every thread of the OpenMP team, and returns a checksum so the compiler cannot
+// drop the work. The caller times the call and divides the operation count by the time
+// (benchmarks/bench_roofline.py). Why ACC independent chains: one fused multiply-add takes about
+// 4 cycles before its result can feed the next, and a core starts up to two per cycle, so at
+// least 8 chains in flight are needed to keep both pipes busy; 12 leaves headroom.
+//
+// Three instruction kinds, the ones minserve's kernels can use:
+//   fp32  _mm512_fmadd_ps       16 lanes x 1 multiply-add          = 32 flops per instruction
+//   bf16  _mm512_dpbf16_ps      16 lanes x 2 bf16 products + add   = 64 flops (AVX-512 BF16)
+//   int8  _mm512_dpbusd_epi32   16 lanes x 4 u8*s8 products + add  = 128 ops  (AVX-512 VNNI)
+// Without AVX-512 the fp32 ceiling falls back to AVX2 FMA (8 lanes) and the others report -1
+// (instruction not available), so the library builds everywhere.
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+
+#define ACC 12
+
+int ms_ceiling_threads(void) { return omp_get_max_threads(); }
+
+// Flops (or integer ops) one call performs per thread and iteration; -1: not built for this CPU.
+int64_t ms_ceiling_ops_per_iter(int kind) {
+#if defined(__AVX512F__)
+    if (kind == 0) return ACC * 16 * 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (kind == 0) return ACC * 8 * 2;
+#endif
+#if defined(__AVX512BF16__)
+    if (kind == 1) return ACC * 16 * 4;
+#endif
+#if defined(__AVX512VNNI__)
+    if (kind == 2) return ACC * 16 * 8;
+#endif
+    (void)kind;
+    return -1;
+}
+
+double ms_ceiling_fp32(int64_t iters) {
+    double total = 0.0;
+#pragma omp parallel reduction(+ : total)
+    {
+#if defined(__AVX512F__)
+        __m512 acc[ACC];
+        const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
+        for (int k = 0; k < ACC; k++) acc[k] = _mm512_set1_ps((float)k);
+        for (int64_t i = 0; i < iters; i++)
+            for (int k = 0; k < ACC; k++) acc[k] = _mm512_fmadd_ps(acc[k], a, b);
+        for (int k = 0; k < ACC; k++) total += _mm512_reduce_add_ps(acc[k]);
+#elif defined(__AVX2__) && defined(__FMA__)
+        __m256 acc[ACC];
+        const __m256 a = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-7f);
+        for (int k = 0; k < ACC; k++) acc[k] = _mm256_set1_ps((float)k);
+        for (int64_t i = 0; i < iters; i++)
+            for (int k = 0; k < ACC; k++) acc[k] = _mm256_fmadd_ps(acc[k], a, b);
+        float out[8];
+        for (int k = 0; k < ACC; k++) {
+            _mm256_storeu_ps(out, acc[k]);
+            for (int j = 0; j < 8; j++) total += out[j];
+        }
+#else
+        (void)iters;
+#endif
+    }
+    return total;
+}
+
+double ms_ceiling_bf16(int64_t iters) {
+    double total = 0.0;
+#if defined(__AVX512BF16__)
+#pragma omp parallel reduction(+ : total)
+    {
+        __m512 acc[ACC];
+        const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(1e-3f));
+        const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(1e-3f));
+        for (int k = 0; k < ACC; k++) acc[k] = _mm512_set1_ps((float)k);
+        for (int64_t i = 0; i < iters; i++)
+            for (int k = 0; k < ACC; k++) acc[k] = _mm512_dpbf16_ps(acc[k], a, b);
+        for (int k = 0; k < ACC; k++) total += _mm512_reduce_add_ps(acc[k]);
+    }
+#else
+    (void)iters;
+#endif
+    return total;
+}
+
+double ms_ceiling_int8(int64_t iters) {
+    double total = 0.0;
+#if defined(__AVX512VNNI__)
+#pragma omp parallel reduction(+ : total)
+    {
+        __m512i acc[ACC];
+        const __m512i a = _mm512_set1_epi8(1), b = _mm512_set1_epi8(-1);
+        for (int k = 0; k < ACC; k++) acc[k] = _mm512_set1_epi32(k);
+        for (int64_t i = 0; i < iters; i++)
+            for (int k = 0; k < ACC; k++) acc[k] = _mm512_dpbusd_epi32(acc[k], a, b);
+        for (int k = 0; k < ACC; k++) total += (double)_mm512_reduce_add_epi32(acc[k]);
+    }
+#else
+    (void)iters;
+#endif
+    return total;
+}

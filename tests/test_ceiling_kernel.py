@@ -1,0 +1,83 @@
+"""kernels/ceiling.c: the instruction-rate kernels behind benchmarks/bench_roofline.py.
+
+The rates themselves are timings and stay out of the tests; what is tested is that each kernel
+does the arithmetic its operation count claims (so a rate computed from it is honest): the
+checksum equals the same recurrence computed here, on every thread of the team.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_roofline import KINDS, _ceiling_lib  # noqa: E402
+
+ACC = 12
+
+
+@pytest.fixture(scope="module")
+def lib():
+    from minserve.kernels.build import KernelUnavailable
+    try:
+        return _ceiling_lib()
+    except KernelUnavailable as e:
+        pytest.skip(f"no C kernels here: {e}")
+
+
+def _fma_chain(iters: int, a: float, b: float) -> float:
+    """sum over the ACC chains of acc_k <- fma(acc_k, a, b), acc_k starting at k, in float32."""
+    acc = np.arange(ACC, dtype=np.float32)
+    a32, b32 = np.float32(a), np.float32(b)
+    for _ in range(iters):   # float64 holds the float32 product exactly: one rounding, as an FMA
+        acc = (acc.astype(np.float64) * a32 + b32).astype(np.float32)
+    return float(acc.sum(dtype=np.float64))
+
+
+def test_fp32_kernel_runs_the_recurrence_it_counts(lib):
+    lanes = lib.ms_ceiling_ops_per_iter(KINDS["fp32_fma"]) // (2 * ACC)
+    if lanes < 0:
+        pytest.skip("no FMA vector unit on this CPU")
+    assert lanes in (8, 16)          # AVX2 or AVX-512
+    iters = 2000
+    got = lib.ms_ceiling_fp32(iters)
+    want = lib.ms_ceiling_threads() * lanes * _fma_chain(iters, 0.999999, 1e-7)
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_int8_kernel_counts_four_products_per_lane(lib):
+    if lib.ms_ceiling_ops_per_iter(KINDS["int8_dot"]) < 0:
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    # Each dpbusd adds 4 products of 1 * -1 to every 32-bit lane: acc_k = k - 4 * iters.
+    iters = 1000
+    want = lib.ms_ceiling_threads() * 16 * sum(k - 4 * iters for k in range(ACC))
+    assert lib.ms_ceiling_int8(iters) == want
+
+
+def test_bf16_kernel_counts_two_products_per_lane(lib):
+    if lib.ms_ceiling_ops_per_iter(KINDS["bf16_dot"]) < 0:
+        pytest.skip("no AVX-512 BF16 on this CPU")
+    # Each dpbf16ps adds 2 products of bf16(1e-3)^2 to every lane, in float32.
+    import torch
+    iters = 1000
+    x = float(torch.tensor(1e-3).bfloat16().float())     # 1e-3 rounded to bf16, as the kernel has it
+    pp = np.float32(x * x)                               # exact in float32 (8-bit mantissas)
+    acc = np.arange(ACC, dtype=np.float32)
+    for _ in range(iters):                               # two products added per lane, in float32
+        acc = (acc + pp).astype(np.float32)
+        acc = (acc + pp).astype(np.float32)
+    scale = lib.ms_ceiling_threads() * 16
+    base = scale * sum(range(ACC))
+    got = lib.ms_ceiling_bf16(iters)
+    assert math.isfinite(got)
+    assert got - base == pytest.approx(scale * float(acc.sum(dtype=np.float64)) - base, rel=0.02)
+
+
+def test_unavailable_kinds_say_so_instead_of_a_rate(lib):
+    assert lib.ms_ceiling_ops_per_iter(99) == -1
+    assert isinstance(ctypes.c_int64(lib.ms_ceiling_ops_per_iter(0)).value, int)
