@@ -104,3 +104,28 @@ double ms_ceiling_int8(int64_t iters) {
 #endif
     return total;
 }
+
+// Read bandwidth: sum n floats (n a multiple of 16 * ACC) on every thread, each thread streaming
+// its own contiguous slice with ACC independent accumulators, as the decode kernels stream
+// weights. torch.sum is a second opinion; the faster of the two is the ceiling.
+double ms_ceiling_read(const float *p, int64_t n) {
+    double total = 0.0;
+#pragma omp parallel reduction(+ : total)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t chunk = (n / nt) / (16 * ACC) * (16 * ACC);
+        const float *q = p + (int64_t)t * chunk;
+#if defined(__AVX512F__)
+        __m512 acc[ACC];
+        for (int k = 0; k < ACC; k++) acc[k] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < chunk; i += 16 * ACC)
+            for (int k = 0; k < ACC; k++) acc[k] = _mm512_add_ps(acc[k], _mm512_loadu_ps(q + i + 16 * k));
+        for (int k = 0; k < ACC; k++) total += _mm512_reduce_add_ps(acc[k]);
+#else
+        float s = 0.0f;
+        for (int64_t i = 0; i < chunk; i++) s += q[i];
+        total += s;
+#endif
+    }
+    return total;
+}

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from minserve.kernels.build import KernelUnavailable, load
+from minserve.models import gemm
 
 log = logging.getLogger("minserve")
 
@@ -204,7 +205,7 @@ def _tiled_linear(x: torch.Tensor, dequantize, bias: torch.Tensor | None, out: i
         r1 = min(r0 + tile_rows, out)
         w = tile[: r1 - r0]
         dequantize(r0, r1, w)
-        y[:, r0:r1] = F.linear(x, w, None if bias is None else bias[r0:r1])
+        y[:, r0:r1] = gemm.linear(x, w, None if bias is None else bias[r0:r1])
     return y
 
 

@@ -81,3 +81,10 @@ def test_bf16_kernel_counts_two_products_per_lane(lib):
 def test_unavailable_kinds_say_so_instead_of_a_rate(lib):
     assert lib.ms_ceiling_ops_per_iter(99) == -1
     assert isinstance(ctypes.c_int64(lib.ms_ceiling_ops_per_iter(0)).value, int)
+
+
+def test_read_kernel_sums_every_float_of_its_slices(lib):
+    import torch
+    n = 16 * ACC * 2 * 1000                      # divides evenly between 1 or 2 threads
+    buf = torch.arange(n, dtype=torch.float32) % 7
+    assert lib.ms_ceiling_read(buf.data_ptr(), n) == pytest.approx(float(buf.sum()), rel=1e-6)

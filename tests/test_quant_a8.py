@@ -50,8 +50,12 @@ def _assert_close(y, ref):
 
 
 def test_the_quantizer_is_the_reference_in_each_order():
-    x = torch.randn(5, 96) * torch.tensor([0.01, 1, 100]).repeat_interleave(32)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(52)) \
+        * torch.tensor([0.01, 1, 100]).repeat_interleave(32)
     x[2, 32:64] = 0
+    # Two float32 sums of one block in different orders differ by rounding relative to the block's
+    # magnitudes, not to its (possibly cancelling) sum.
+    sum_tol = 1e-6 * x.abs().reshape(5, 3, 32).sum(2) + 1e-6
     want, d_ref, sums_ref = quantize_activations(x)
     lib = qk._lib()
     for int4_order in (0, 1):
@@ -62,7 +66,7 @@ def test_the_quantizer_is_the_reference_in_each_order():
         order = torch.arange(96).reshape(-1, 4, 2).transpose(1, 2).reshape(-1) if int4_order else torch.arange(96)
         assert torch.equal(codes, want[:, order])
         assert torch.equal(d, d_ref.float())
-        torch.testing.assert_close(sums, sums_ref, rtol=1e-6, atol=1e-5)
+        assert ((sums - sums_ref).abs() <= sum_tol).all(), (sums - sums_ref).abs().max()
         torch.testing.assert_close(shift, (128 * d_ref * want.reshape(5, 3, 32).sum(2).float()).sum(1))
     assert torch.equal(d_ref[2, 1], torch.tensor(0.0)) and not want[2, 32:64].any()
     assert want.abs().max() == 127   # each block's largest magnitude maps to +-127

@@ -1,0 +1,62 @@
+"""The dense matrix product behind every :class:`~minserve.models.layers.Linear` on a CPU.
+
+``F.linear`` on float32 CPU tensors goes to the BLAS PyTorch was built with (MKL in the x86
+wheels). On the AMD EPYC this project runs on, MKL's sgemm reaches about a third of the fp32 FMA
+ceiling (benchmarks/bench_roofline.py: 150-190 GFLOP/s of 480), while oneDNN, also inside every
+x86 PyTorch build and reachable as ``torch.ops.mkldnn._linear_pointwise``, reaches 340-430 on
+the same shapes, on the plain weight tensor (no second copy in another layout). Measured per
+call, prefill shapes (1024 rows) and decode batches alike (2 to 64 rows: 1.7-2.2x), and the LM
+head (49152 x 576) 2.6-4x. At one row the two are within noise and the call overheads decide, so
+one-row products stay on ``F.linear``.
+
+The result is the same float32 product summed in another order: it differs from MKL's by float32
+rounding (about 1e-6 relative), which the token-exact tests against transformers tolerate as
+they tolerate any kernel's rounding.
+
+``MINSERVE_GEMM=torch`` forces ``F.linear`` everywhere (to compare, or where oneDNN misbehaves);
+``onednn`` (the default where available) uses it from ``ONEDNN_MIN_ROWS`` rows. A PyTorch without
+oneDNN (an ARM or a minimal build) falls back to ``F.linear`` by itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("minserve")
+
+ONEDNN_MIN_ROWS = 2
+BACKENDS = ("onednn", "torch")
+
+
+@functools.lru_cache(maxsize=None)
+def backend() -> str:
+    """``onednn`` or ``torch``: what float32 CPU products use in this process (decided once)."""
+    wanted = os.environ.get("MINSERVE_GEMM", "onednn").strip().lower() or "onednn"
+    if wanted not in BACKENDS:
+        raise ValueError(f"MINSERVE_GEMM must be one of {', '.join(BACKENDS)}, got {wanted!r}")
+    if wanted == "torch":
+        return "torch"
+    try:
+        x, w = torch.ones(2, 8), torch.ones(4, 8)
+        y = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        if not torch.equal(y, F.linear(x, w)):
+            raise RuntimeError("oneDNN's product disagrees with F.linear on a 2x8 by 8x4 check")
+    except (AttributeError, RuntimeError, NotImplementedError) as e:
+        log.info("float32 matmuls use F.linear (oneDNN's linear unavailable: %s)", e)
+        return "torch"
+    return "onednn"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``: oneDNN for float32 CPU inputs of at least ``ONEDNN_MIN_ROWS`` rows
+    (2-D, contiguous weight), ``F.linear`` for everything else."""
+    if (x.dtype is torch.float32 and weight.dtype is torch.float32 and x.device.type == "cpu"
+            and x.dim() == 2 and x.shape[0] >= ONEDNN_MIN_ROWS and weight.is_contiguous()
+            and backend() == "onednn"):
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
