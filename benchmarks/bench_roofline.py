@@ -128,8 +128,8 @@ def ceilings() -> dict:
 
 def merged_ceilings(before: dict, after: dict) -> dict:
     """The higher of two measurements of each ceiling (a ceiling is what the machine *can* do),
-    with both kept: on a VM whose two vCPUs the host sometimes places on one core's two
-    hyperthreads, the compute ceilings halve for a while (seen here: 482 then 253 GFLOP/s)."""
+    with both kept: on this project's VM the compute ceilings sometimes halve for minutes (seen:
+    482 then 253 GFLOP/s), as if the host ran both vCPUs on one core's two hyperthreads."""
     out = {k: (max(v, after[k]) if isinstance(v, float) and after.get(k) is not None else v)
            for k, v in before.items()}
     out["before"], out["after"] = before, after
