@@ -27,6 +27,13 @@ PREFILL = qk.PREFILL_MIN_ROWS   # "auto" takes the dequantize-a-tile + torch pat
 BATCHES = [1, 3, 16, 40, PREFILL]   # 40: five passes of 8 rows in the fused loop
 
 
+@pytest.fixture(autouse=True)
+def float32_tiles(monkeypatch):
+    """These tests check the C dequantization to fp32 accuracy, so the prefill tiles stay float32
+    here; test_bf16_tiles_round_only_as_bf16_does checks the bfloat16 tiles separately."""
+    monkeypatch.setattr(qk, "prefill_tile_dtype", lambda: torch.float32)
+
+
 def assert_matches(y, x, w, bias):
     ref = F.linear(x, w, bias)
     bound = 2 * (x.shape[-1] + 4) * 2.0 ** -24 * (x.abs() @ w.abs().T + (0 if bias is None else bias.abs()))
@@ -192,3 +199,38 @@ def test_builds_without_avx512_compute_the_same(march, isa, tmp_path, monkeypatc
                            dequantize_int4(packed, s4, m4, g), bias)
             assert_matches(int8_linear(x, codes, scales, bias, path="fused"), x,
                            dequantize_int8(codes, scales), bias)
+
+
+def test_bf16_tiles_round_only_as_bf16_does(monkeypatch):
+    # x and each dequantized weight rounded to bfloat16 (relative 2^-9 each), the product summed
+    # in float32 by oneDNN and its output rounded to bfloat16 (2^-9): 3 x 2^-9 of sum |x_i w_i|.
+    monkeypatch.setattr(qk, "prefill_tile_dtype", lambda: torch.bfloat16)
+    w, x, bias = _case(129, 576, PREFILL, seed=11)
+    codes, scales = quantize_int8(w)
+    packed, s4, m4 = quantize_int4(w, 32)
+    for y, ref_w in ((int8_linear(x, codes, scales, bias, path="dequant"), dequantize_int8(codes, scales)),
+                     (int4_linear(x, packed, s4, m4, 32, bias, path="dequant"),
+                      dequantize_int4(packed, s4, m4, 32))):
+        ref = F.linear(x, ref_w, bias)
+        mags = x.abs() @ ref_w.abs().T
+        assert y.dtype == torch.float32 and y.shape == ref.shape
+        assert ((y - ref).abs() <= 3 * 2.0 ** -9 * mags + 1e-6 * bias.abs()).all()
+        assert not torch.equal(y, ref)      # it did run in bfloat16
+
+
+def test_the_tile_dtype_is_chosen_once_and_can_be_forced(monkeypatch):
+    monkeypatch.undo()
+    qk.prefill_tile_dtype.cache_clear()
+    try:
+        monkeypatch.setenv("MINSERVE_PREFILL_TILE_DTYPE", "float32")
+        assert qk.prefill_tile_dtype() is torch.float32
+        qk.prefill_tile_dtype.cache_clear()
+        monkeypatch.setenv("MINSERVE_PREFILL_TILE_DTYPE", "int8")
+        with pytest.raises(ValueError, match="MINSERVE_PREFILL_TILE_DTYPE must be one of bfloat16, float32"):
+            qk.prefill_tile_dtype()
+        qk.prefill_tile_dtype.cache_clear()
+        monkeypatch.delenv("MINSERVE_PREFILL_TILE_DTYPE")
+        native = torch.ops.mkldnn._is_mkldnn_bf16_supported() and qk._cpu_has_bf16()
+        assert qk.prefill_tile_dtype() is (torch.bfloat16 if native else torch.float32)
+    finally:
+        qk.prefill_tile_dtype.cache_clear()
