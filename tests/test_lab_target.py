@@ -222,14 +222,15 @@ def minserve_serve(tmp_path_factory):
 # Labs 01 and 02 run against a real vLLM in tests/test_vllm_peer.py when its venv is set up (CI
 # sets it up); here they run only without it, so that every server-capable lab runs against some
 # server in every test run, and CI does not pay for them twice.
-MINSERVE_LABS = ("04_prefix_caching", "07_overload_and_goodput",
+MINSERVE_LABS = ("03_kv_cache_detective", "04_prefix_caching", "07_overload_and_goodput",
                  *(() if vllm_venv() else SERVER_LABS[:2]))
 
 
 @pytest.mark.parametrize("name", MINSERVE_LABS)
 def test_lab_runs_top_to_bottom_against_a_server(name, minserve_serve, tmp_path):
     nb = run_lab(name, minserve_serve, tmp_path, api_key="sk-lab-target")
-    lessons = check_server_run(name, nb, minserve_serve, tmp_path, baseline=not name.startswith("04"))
+    engine_only = {"03": dict(baseline=False, lessons=False), "04": dict(baseline=False)}
+    lessons = check_server_run(name, nb, minserve_serve, tmp_path, **engine_only.get(name[:2], {}))
     if name.startswith("04"):   # section 2 read the server's prefix-cache counters
         assert any("04-shared-workload" in ln or "preamble" in ln for ln in lessons), lessons
         report = next(c for c in nb.cells if c.cell_type == "code" and c.source.startswith("rows = {}"))
