@@ -51,8 +51,9 @@ def prefill_tile_dtype() -> torch.dtype:
 
     A float32 tile costs the same matmul as an fp32 model plus the dequantization, so int8 and
     int4 prefill could never beat fp32 (benchmarks/bench_roofline.py: 0.85x). In bfloat16 the
-    product runs at the bf16 rate, about 4x MKL's fp32 here, and int4 prefill became 1.18x fp32's
-    (1,218 against 1,029 tok/s for 1024-token prompts). The rounding adds to the format's own:
+    product runs at the bf16 rate, about 4x MKL's fp32 here, and a 1024-token prefill took int8
+    722 ms, int4 859 ms, fp32 906 ms in one run of benchmarks/bench_roofline.py (1.26x and 1.05x
+    fp32's speed; 0.85-0.88x before). The rounding adds to the format's own:
     `minserve eval` kept every verdict (int4 perplexity +0.06 % instead of -0.05 %, its KL
     0.0013 and int8's 0.0050 unchanged). Decode sizes never take the tiles (PREFILL_MIN_ROWS).
     ``MINSERVE_PREFILL_TILE_DTYPE=float32`` (or ``bfloat16``) overrides the choice; a CPU without
