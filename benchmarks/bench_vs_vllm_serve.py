@@ -32,11 +32,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "tests"))   # vllm_peer: how to start vLLM's CPU build, and wait for a server
 SERVERS = ("minserve-fp32", "minserve-int8", "minserve-int4", "vllm-fp32", "vllm-bf16")
 FIGURES = ("request_goodput", "request_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")
 
@@ -70,18 +70,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---- the servers --------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def minserve_server(fmt: str, args, log_dir: Path):
     """``minserve serve`` on a free port, the format's ``--quantization``, until the block ends."""
-    import httpx
-    port = _free_port()
+    from vllm_peer import free_port, wait_healthy
+    port = free_port()
     quant = [] if fmt == "fp32" else ["--quantization", fmt]
     cmd = [sys.executable, "-m", "minserve.cli", "serve", "smollm2-135m", "--port", str(port),
            "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
@@ -92,15 +85,7 @@ def minserve_server(fmt: str, args, log_dir: Path):
                                 start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"minserve serve ({fmt}) did not come up; log {log_path}:\n"
-                                   + log_path.read_text(errors="replace")[-2000:])
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.5)
+        wait_healthy(base, proc, log_path, 300, name=f"minserve serve ({fmt})")
         yield base
     finally:
         proc.terminate()
@@ -114,7 +99,6 @@ def start_server(stack: contextlib.ExitStack, name: str, args, log_dir: Path) ->
     kind, fmt = name.split("-", 1)
     if kind == "minserve":
         return stack.enter_context(minserve_server(fmt, args, log_dir))
-    sys.path.insert(0, str(ROOT / "tests"))   # the one place that knows how to start vLLM's CPU build
     from vllm_peer import vllm_server, vllm_venv, vllm_venv_dir
     if vllm_venv() is None:
         raise SystemExit(f"no vLLM venv at {vllm_venv_dir()}: run `make vllm-venv`, or leave the "

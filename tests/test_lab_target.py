@@ -13,10 +13,8 @@ prints its one skip line and nothing else, every other cell runs.
 from __future__ import annotations
 
 import math
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -24,7 +22,7 @@ import pytest
 import minserve.lab as lab
 from minserve.lab import target as tg
 from lab_runs import ROOT, SERVER_LABS, check_server_run, run_lab, stream_text
-from vllm_peer import vllm_venv
+from vllm_peer import free_port, vllm_venv, wait_healthy
 
 
 @pytest.fixture(autouse=True)
@@ -181,17 +179,11 @@ def test_run_experiment_goes_to_the_target_and_names_the_engine_arguments(keyed_
 
 # ---- whole labs against a real `minserve serve` ------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def minserve_serve(tmp_path_factory):
     pytest.importorskip("nbclient")
     pytest.importorskip("jupytext")
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     cmd = [sys.executable, "-m", "minserve.cli", "serve", "smollm2-135m", "--port", str(port),
            "--max-num-seqs", "4", "--api-key", "sk-lab-target"]   # prefix caching on: lab 04
@@ -199,17 +191,7 @@ def minserve_serve(tmp_path_factory):
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
     try:
-        import httpx
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, f"minserve serve exited: {log.read_text()[-2000:]}"
-            assert time.monotonic() < deadline, "minserve serve did not come up in 180 s"
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(base, proc, log, 180, name="minserve serve")
         yield base
     finally:
         proc.terminate()

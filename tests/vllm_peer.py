@@ -72,7 +72,7 @@ def model_dir() -> Path:
     return resolve_model_dir(MODEL_ALIAS)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     # The port is released before vLLM binds it: another process could take it in between, which
     # on a test box is rare enough; vLLM cannot be handed an open socket.
     with socket.socket() as s:
@@ -92,12 +92,15 @@ class VllmPeer:
         return _tail(self.log_path, n)
 
 
-def _wait_healthy(base_url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
+def wait_healthy(base_url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float,
+                 name: str = "vLLM") -> None:
+    """Poll ``/health`` until 200; raise with the log's tail if ``proc`` exits or time runs out
+    (any server process: vLLM here, ``minserve serve`` in the tests and benchmarks too)."""
     import httpx
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with code {proc.returncode} before it was healthy; "
+            raise RuntimeError(f"{name} exited with code {proc.returncode} before it was healthy; "
                                f"log {log_path}:\n{_tail(log_path)}")
         try:
             if httpx.get(base_url + "/health", timeout=5).status_code == 200:
@@ -105,7 +108,7 @@ def _wait_healthy(base_url: str, proc: subprocess.Popen, log_path: Path, timeout
         except httpx.HTTPError:
             pass  # not listening yet
         if time.monotonic() > deadline:
-            raise RuntimeError(f"vLLM was not healthy after {timeout_s:.0f} s; log {log_path}:\n"
+            raise RuntimeError(f"{name} was not healthy after {timeout_s:.0f} s; log {log_path}:\n"
                                f"{_tail(log_path)}")
         time.sleep(1.0)
 
@@ -128,7 +131,7 @@ def vllm_server(dtype: str = "float32", max_model_len: int = 2048, extra_args: t
     if python is None:
         raise RuntimeError(f"no vLLM venv at {vllm_venv_dir()}: run `make vllm-venv`")
     path = model_dir()
-    port = _free_port()
+    port = free_port()
     log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="minserve-vllm-"))
     log_path = log_dir / f"vllm-{port}.log"
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
@@ -142,7 +145,7 @@ def vllm_server(dtype: str = "float32", max_model_len: int = 2048, extra_args: t
                                 cwd=log_dir, start_new_session=True)
     base_url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(base_url, proc, log_path, start_timeout_s)
+        wait_healthy(base_url, proc, log_path, start_timeout_s)
         yield VllmPeer(base_url, MODEL_ALIAS, path, log_path, proc)
     finally:
         _stop(proc)

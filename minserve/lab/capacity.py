@@ -280,9 +280,11 @@ def achieved_rate(run, seats: int | None = None) -> float:
         times = r.first_token_s.to_numpy(float)
     times = np.sort(times[np.isfinite(times)])
     if seats is None:
-        seats = run.settings.get("max_num_seqs") or _peak_running(run)
-        if seats is not None and seats >= len(times) and not run.settings.get("max_num_seqs"):
-            return float(run.summary.get("request_throughput", math.nan))
+        seats = run.settings.get("max_num_seqs")
+        if not seats:   # over HTTP: the seats the server showed in use
+            seats = _peak_running(run)
+            if seats is not None and seats >= len(times):   # nobody ever waited
+                return float(run.summary.get("request_throughput", math.nan))
         seats = int(seats or 1)
     skip = min(int(seats), max(0, len(times) - 3))  # keep at least three admissions
     span = times[-1] - times[skip] if len(times) >= 2 else 0.0
