@@ -13,7 +13,10 @@ ceilings here and then times the three step types that decide a server's behavio
   the two, and a warning says when they differ by more than 20 %;
 - **prefill**: one prompt of ``--prefill-len`` tokens in one step (the budget allows it);
 - **batch-16 decode**: the median decode step with 16 requests running;
-- **batch-1 decode**: the median decode step of one request.
+- **batch-1 decode**: the median decode step of one request;
+- **the kernels by library**: each product of those steps in MKL fp32 (``F.linear``), oneDNN fp32
+  (what minserve's float32 ``Linear`` uses, minserve/models/gemm.py) and oneDNN bf16, and the
+  prefill attention (PyTorch's CPU flash SDPA), in GFLOP/s.
 
 For each step and format the table gives the measured step time, the arithmetic it did (the
 planner's formulas, minserve/plan/budget.py: matmuls of every layer, attention, the LM head of the
@@ -81,7 +84,7 @@ def read_bandwidth(lib, nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
     """Bytes per second the C read loop streams from a buffer far larger than the caches."""
     import torch
     buf = torch.ones(nbytes // 4)
-    best = min(_timed(lambda _: lib.ms_ceiling_read(buf.data_ptr(), buf.numel()), 0)
+    best = min(_timed(lambda n: lib.ms_ceiling_read(buf.data_ptr(), n), buf.numel())
                for _ in range(repeats))
     return buf.numel() * 4 / best
 
@@ -124,6 +127,44 @@ def ceilings() -> dict:
     out["read_bandwidth_c"] = read_bandwidth(lib)
     out["read_bandwidth"] = max(out["read_bandwidth_torch"], out["read_bandwidth_c"])
     return out
+
+
+# The model's products at prefill (1024 rows) and in a batch-16 decode step, and its LM head.
+GEMM_SHAPES = [(1024, 576, 1536), (1024, 1536, 576), (1024, 576, 576), (16, 576, 1536),
+               (16, 1536, 576), (1, 576, 49152), (16, 576, 49152)]
+
+
+def _median_time(fn, repeats: int = 9) -> float:
+    fn()
+    times = sorted(_timed(lambda _: fn(), 0) for _ in range(repeats))
+    return times[len(times) // 2]
+
+
+def kernel_rates() -> list[dict]:
+    """GFLOP/s of the products a step runs, by library: MKL (``F.linear`` on float32), oneDNN on
+    the plain float32 weight (minserve/models/gemm.py's choice), oneDNN in bf16; and the prefill
+    attention (PyTorch's CPU flash SDPA, causal, 1024 tokens, SmolLM2's 9 query / 3 KV heads)."""
+    import torch
+    import torch.nn.functional as F
+    onednn = torch.ops.mkldnn._linear_pointwise
+    rows = []
+    for m, k, n in GEMM_SHAPES:
+        x, w = torch.randn(m, k), torch.randn(n, k)
+        xb, wb = x.bfloat16(), w.bfloat16()
+        flops = 2 * m * k * n
+        rows.append({"kernel": f"linear {m}x{k} -> {n}",
+                     "MKL fp32": flops / _median_time(lambda: F.linear(x, w)) / 1e9,
+                     "oneDNN fp32": flops / _median_time(lambda: onednn(x, w, None, "none", [], "")) / 1e9,
+                     "oneDNN bf16": flops / _median_time(lambda: F.linear(xb, wb)) / 1e9,
+                     "flash SDPA": None})
+    q, kv = torch.randn(1, 9, 1024, 64), torch.randn(1, 3, 1024, 64)
+    flops = 4 * 1024 * 1024 * 64 * 9 / 2        # QK^T and PV, causal: half the square
+    for dtype in (torch.float32, torch.bfloat16):
+        qd, kd = q.to(dtype), kv.to(dtype)
+        t = _median_time(lambda: F.scaled_dot_product_attention(qd, kd, kd, is_causal=True, enable_gqa=True))
+        rows.append({"kernel": f"causal attention, 1024 tokens, {str(dtype).replace('torch.', '')}",
+                     "MKL fp32": None, "oneDNN fp32": None, "oneDNN bf16": None, "flash SDPA": flops / t / 1e9})
+    return rows
 
 
 def merged_ceilings(before: dict, after: dict) -> dict:
@@ -212,12 +253,15 @@ def markdown(ceil: dict, rows: list[dict]) -> str:
              f"torch GEMM fp32 {g(ceil['fp32_gemm_torch'])}, bf16 {g(ceil['bf16_gemm_torch'])} GFLOP/s; "
              f"read bandwidth {ceil['read_bandwidth'] / 1e9:.1f} GB/s (C loop "
              f"{ceil['read_bandwidth_c'] / 1e9:.1f}, torch.sum {ceil['read_bandwidth_torch'] / 1e9:.1f})", ""]
-    if rows:
-        cols = list(rows[0])
-        lines += ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
-        for r in rows:
-            lines.append("| " + " | ".join(v if isinstance(v, str) else "-" if v is None else f"{v:,.1f}"
-                                           for v in r.values()) + " |")
+    return "\n".join(lines) + (_table(rows) if rows else "")
+
+
+def _table(rows: list[dict]) -> str:
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(v if isinstance(v, str) else "-" if v is None else f"{v:,.1f}"
+                                       for v in r.values()) + " |")
     return "\n".join(lines)
 
 
@@ -240,7 +284,10 @@ def main() -> None:
             print(f"warning: the {key} ceiling moved from {a / 1e9:,.0f} to {b / 1e9:,.0f} G/s during "
                   "the run (the host's placement of this VM's vCPUs, or a neighbour): rerun", flush=True)
     rows = [r for fmt, m in measured.items() for r in step_rows(fmt, m, ceil, args)]
-    res = {"machine": machine_info(), "ceilings": ceil, "rows": rows, "markdown": markdown(ceil, rows)}
+    print("timing the step's kernels by library ...", flush=True)
+    kernels = kernel_rates()
+    res = {"machine": machine_info(), "ceilings": ceil, "rows": rows, "kernels": kernels,
+           "markdown": markdown(ceil, rows) + "\n\nGFLOP/s by library:\n\n" + _table(kernels)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2, default=str))

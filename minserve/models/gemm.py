@@ -1,20 +1,21 @@
 """The dense matrix product behind every :class:`~minserve.models.layers.Linear` on a CPU.
 
 ``F.linear`` on float32 CPU tensors goes to the BLAS PyTorch was built with (MKL in the x86
-wheels). On the AMD EPYC this project runs on, MKL's sgemm reaches about a third of the fp32 FMA
-ceiling (benchmarks/bench_roofline.py: 150-190 GFLOP/s of 480), while oneDNN, also inside every
-x86 PyTorch build and reachable as ``torch.ops.mkldnn._linear_pointwise``, reaches 340-430 on
-the same shapes, on the plain weight tensor (no second copy in another layout). Measured per
-call, prefill shapes (1024 rows) and decode batches alike (2 to 64 rows: 1.7-2.2x), and the LM
-head (49152 x 576) 2.6-4x. At one row the two are within noise and the call overheads decide, so
-one-row products stay on ``F.linear``.
+wheels). On the AMD EPYC this project runs on, MKL's sgemm reaches about 40 % of the fp32 FMA
+ceiling, while oneDNN, also inside every x86 PyTorch build and reachable as
+``torch.ops.mkldnn._linear_pointwise``, works on the plain weight tensor (no second copy in another
+layout) and reaches about 90 % of it. One run of benchmarks/bench_roofline.py (FMA ceiling 526
+GFLOP/s; MKL / oneDNN in GFLOP/s): 1024 rows x the model's matrices 211-216 / 474-484 (2.2-2.3x),
+16 rows 127-133 / 232-257 (1.7-2.0x), the LM head (49152 x 576) at 1 row 8.1 / 22.2 and at 16
+rows 65 / 177 (2.7x). Decode steps run in the fused C kernel, so here the one-row case is the
+last token of a prefill going through the LM head: oneDNN takes that too.
 
 The result is the same float32 product summed in another order: it differs from MKL's by float32
 rounding (about 1e-6 relative), which the token-exact tests against transformers tolerate as
 they tolerate any kernel's rounding.
 
 ``MINSERVE_GEMM=torch`` forces ``F.linear`` everywhere (to compare, or where oneDNN misbehaves);
-``onednn`` (the default where available) uses it from ``ONEDNN_MIN_ROWS`` rows. A PyTorch without
+``onednn`` (the default where available) uses it for every 2-D float32 CPU input. A PyTorch without
 oneDNN (an ARM or a minimal build) falls back to ``F.linear`` by itself.
 """
 
@@ -29,7 +30,6 @@ import torch.nn.functional as F
 
 log = logging.getLogger("minserve")
 
-ONEDNN_MIN_ROWS = 2
 BACKENDS = ("onednn", "torch")
 
 
@@ -53,10 +53,10 @@ def backend() -> str:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``: oneDNN for float32 CPU inputs of at least ``ONEDNN_MIN_ROWS`` rows
-    (2-D, contiguous weight), ``F.linear`` for everything else."""
+    """``x @ weight.T + bias``: oneDNN for 2-D float32 CPU inputs with a contiguous weight,
+    ``F.linear`` for everything else (other dtypes and devices, empty inputs)."""
     if (x.dtype is torch.float32 and weight.dtype is torch.float32 and x.device.type == "cpu"
-            and x.dim() == 2 and x.shape[0] >= ONEDNN_MIN_ROWS and weight.is_contiguous()
+            and x.dim() == 2 and x.shape[0] > 0 and weight.is_contiguous()
             and backend() == "onednn"):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
