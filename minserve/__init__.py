@@ -31,11 +31,15 @@ _kernels_from_checkout()
 from minserve.config import EngineConfig
 from minserve.engine.llm import LLM
 from minserve.engine.llm_engine import LLMEngine, StepStats
+from minserve.engine.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 from minserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from minserve.sampling_params import RequestOutputKind, SamplingParams
 
+# Extension points (docs/extending.md): LogitsProcessor (with BatchUpdate, MoveDirectionality),
+# the scheduling-policy registry, ModelRegistry and step observers.
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput",
-           "CompletionOutput", "RequestMetrics", "Logprob", "StepStats"]
+           "CompletionOutput", "RequestMetrics", "Logprob", "StepStats",
+           "LogitsProcessor", "BatchUpdate", "MoveDirectionality"]
 __version__ = "0.1.0"
 
 

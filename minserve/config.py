@@ -133,6 +133,10 @@ class EngineConfig:
     # "adaptive" (default true): stop proposing where measured steps say it does not pay.
     # Parsed into a minserve.spec.config.SpeculativeConfig. minserve/spec/.
     speculative_config: dict | str | None = None
+    # vLLM's logits_processors: custom batch-level logits processors, classes or their qualified
+    # names ("package.module:Class"), built once per engine (engine/logits_processor.py). Those
+    # installed under the entry-point group "minserve.logits_processors" are loaded as well.
+    logits_processors: list | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = parse_speculative_config(self.speculative_config)
@@ -167,6 +171,8 @@ class EngineConfig:
         if self.fused_decode not in (None, True, False):
             raise ValueError(f"fused_decode must be None (auto), True or False, got {self.fused_decode!r}")
         self._check_quantization()
+        from minserve.engine.logits_processor import resolve_logits_processors
+        resolve_logits_processors(self.logits_processors)  # a name that does not import fails here
 
     def _check_quantization(self) -> None:
         """Parse quantization_config and build the scheme (a bad format, key or value fails before

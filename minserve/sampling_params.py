@@ -12,6 +12,7 @@ import enum
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import Any
 
 # Below this temperature a request is greedy. Same constant as vLLM (_SAMPLING_EPS): dividing
 # logits by a smaller number overflows nothing useful and only amplifies rounding noise.
@@ -256,6 +257,9 @@ class SamplingParams:
             leading space).
         structured_outputs: Constrain the output to a JSON schema, regex, choice or grammar
             (see ``StructuredOutputsParams``). Such requests get no speculative proposals.
+        extra_args: Free-form arguments for custom logits processors (vLLM's field; ``vllm_xargs``
+            in an HTTP request), a dict with string keys; each processor's ``validate_params``
+            checks the keys it reads (engine/logits_processor.py). minserve itself reads none.
 
     Penalties, biases, bans and the grammar mask change what is sampled (greedy too); they are
     applied in vLLM's order (allowed ids, bad words, min_tokens and logit_bias, then the penalties,
@@ -286,6 +290,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    extra_args: dict[str, Any] | None = None
     # Token ids of each bad word (vLLM's name), filled by the engine from its tokenizer.
     _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
     # The logits controls in the form a step uses (engine/penalties.py PreparedControls), built once
@@ -304,6 +309,9 @@ class SamplingParams:
         self.include_stop_str_in_output = _bool(
             "include_stop_str_in_output", self.include_stop_str_in_output)
         self.output_kind = self._check_output_kind(self.output_kind)
+        if self.extra_args is not None and not (isinstance(self.extra_args, dict)
+                                                and all(isinstance(k, str) for k in self.extra_args)):
+            raise ValueError(f"extra_args must be a dict with string keys or None, got {self.extra_args!r:.80}")
 
     def _check_sampling(self) -> None:
         self.n = _int("n", self.n)

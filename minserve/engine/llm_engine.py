@@ -60,6 +60,9 @@ class LLMEngine:
         self.kv_spec = plan_kv_cache(loaded.config, config, self.runner.device_memory)
         self.max_model_len = self._resolve_max_model_len(model_max)
         self.runner.allocate_kv(self.kv_spec, self.max_model_len)
+        # Custom logits processors' classes (engine/logits_processor.py): their validate_params
+        # sees every request in prepare_params; the instances live in the runner.
+        self.logits_processor_classes = self.runner.logits_processor_classes
         # The weight format is part of the key: int4 blocks must never be served to an fp32 engine.
         quant = config.quant_scheme.label() if config.quant_scheme is not None else "none"
         self.model_fingerprint = model_fingerprint(loaded, config.dtype, quant, kv_cache_dtype=config.kv_cache_dtype)
@@ -134,7 +137,8 @@ class LLMEngine:
     def prepare_params(self, params: SamplingParams) -> None:
         """Check ``params`` and do, now and on the calling thread, the per-request work a step
         must not do: tokenize ``bad_words``, compile ``structured_outputs`` (cached), build the
-        ``allowed_token_ids`` mask and the ``logit_bias`` tensors. ValueError naming the field
+        ``allowed_token_ids`` mask and the ``logit_bias`` tensors; each custom logits processor's
+        ``validate_params`` sees the request (its ``extra_args``). ValueError naming the field
         first when a value is refused (``check_params``'s checks included).
 
         Thread-safe (it reads the engine and writes only ``params``; the grammar cache locks) and
@@ -146,6 +150,8 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         vocab = self.model_config.vocab_size
         check_params(params, vocab, self.eos_token_ids)
+        for cls in self.logits_processor_classes:
+            cls.validate_params(params)
         prepare_logits_controls(params, vocab, self.tokenizer, self.grammar, self.eos_token_ids,
                                 self.runner.device, owner=self._prepared_key)
 

@@ -28,6 +28,8 @@ import torch
 from minserve.attention import AttentionBackend, StepSequences, TorchAttentionBackend
 from minserve.attention.fused_cpu import FusedCpuBackend
 from minserve.config import EngineConfig
+from minserve.engine.logits_batch import LogitsProcessors, processor_rows
+from minserve.engine.logits_processor import engine_logits_processor_classes
 from minserve.engine.kv_cache import KVCacheManager, KVCacheSpec, LayerKV, allocate_kv_tensors, allocate_layer_kv
 from minserve.engine.memory import DeviceMemory, DeviceMemoryReader, measure_device_memory, snapshot
 from minserve.engine.penalties import needs_output_ids
@@ -89,6 +91,11 @@ class ModelRunner:
         self.block_size = config.block_size
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
+        # Custom logits processors (engine/logits_processor.py): None when there are none, so a
+        # plain engine builds no rows and copies no logits for them.
+        self.logits_processor_classes = engine_logits_processor_classes(config.logits_processors)
+        self.logits_processors = (LogitsProcessors(self.logits_processor_classes, config, self.device)
+                                  if self.logits_processor_classes else None)
         # Structured outputs: the engine's GrammarBackend (minserve/structured), which fills the
         # allowed-token bitmask of constrained rows; None in a runner used without an engine.
         self.grammar = None
@@ -228,9 +235,12 @@ class ModelRunner:
             reqs += forks
             banned += [_banned_tokens(child) for child in forks]
         before = [s.spec_token_ids[:i] for s in sampling for i in range(s.num_logits_rows)] + [[]] * len(forks)
+        procs = self.logits_processors
+        if procs is not None:
+            procs.update(processor_rows(reqs, before))
         out = self.sampler(logits, SamplingBatch(
             params=[r.params for r in reqs], generators=[r.generator for r in reqs],
-            banned_token_ids=banned, **_logits_controls(reqs, before, self.grammar)))
+            banned_token_ids=banned, logits_processors=procs, **_logits_controls(reqs, before, self.grammar)))
         # Rows that asked for no logprobs get None (the sampler gives them [] when others asked).
         drawn = [SampledToken(out.token_ids[i], out.logprobs[i] or None if out.logprobs is not None else None,
                               out.ranks[i] if out.ranks is not None else None) for i in range(len(reqs))]

@@ -115,7 +115,7 @@ def _step_fields(p: SamplingParams) -> tuple:
 def _checked_fields(p: SamplingParams) -> tuple:
     """What a preparation (and ``check_params``) depends on: the step's three, then the rest."""
     return (*_step_fields(p), p.bad_words, p.structured_outputs, p.stop_token_ids, p.min_tokens,
-            p.ignore_eos)
+            p.ignore_eos, p.extra_args)  # extra_args: what logits processors' validate_params read
 
 
 def prepare_controls(p: SamplingParams, vocab_size: int, device="cpu", owner: object = None,

@@ -5,14 +5,15 @@ operations follows vLLM V1:
 
 1. logprobs (when asked) come from the *raw* logits, before any banning, temperature or truncation,
    so they describe what the model thinks, not what the sampler was allowed to pick;
-2. the logits controls (engine/penalties.py: allowed ids, bad words, logit bias, penalties, the
+2. custom logits processors (engine/logits_processor.py), when the engine has some, on a copy;
+3. the logits controls (engine/penalties.py: allowed ids, bad words, logit bias, penalties, the
    structured-output grammar mask) change a copy of the logits, for the rows that use them; a
    batch where no row does pays one check per row and no copy. A row they leave with no token at
    all is reported in ``SamplerOutput.failed_rows`` (its drawn token means nothing), and the rest
    of the batch is sampled as usual: one request's contradictory constraints fail it alone;
-3. banned tokens (``min_tokens``: EOS and stop ids until enough tokens exist) are set to -inf;
-4. greedy rows take the argmax;
-5. random rows: divide by temperature, drop tokens below min-p, keep top-k, then top-p, then
+4. banned tokens (``min_tokens``: EOS and stop ids until enough tokens exist) are set to -inf;
+5. greedy rows take the argmax;
+6. random rows: divide by temperature, drop tokens below min-p, keep top-k, then top-p, then
    draw (vLLM V1's order: min-p first, so top-p measures its mass over what min-p kept).
 
 The draw uses the exponential race: with ``q_i ~ Exp(1)`` independent, ``argmax_i p_i / q_i`` is
@@ -28,6 +29,7 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -57,6 +59,9 @@ class SamplingBatch:
     # int32, bit b of word w = token 32w + b; see minserve/structured).
     grammar_rows: list[int] = field(default_factory=list)
     grammar_bitmask: torch.Tensor | None = None
+    # The engine's custom logits processors, bound to this batch's rows (engine/logits_batch.py):
+    # called as ``logits_processors(logits, params)``, returns a processed copy. None: none run.
+    logits_processors: Callable[[torch.Tensor, list[SamplingParams]], torch.Tensor] | None = None
 
 
 @dataclass
@@ -107,7 +112,11 @@ class Sampler:
         params, banned = batch.params, batch.banned_token_ids
         # A copy when some row uses a control (raw stays the model's: logprobs come from it).
         failed: dict[int, str] = {}
-        work = apply_logits_controls(raw, params, batch.output_token_ids, batch.prompt_token_ids,
+        work = raw
+        if batch.logits_processors is not None:
+            work = batch.logits_processors(raw, params)
+            _fail_empty_rows(work, failed)
+        work = apply_logits_controls(work, params, batch.output_token_ids, batch.prompt_token_ids,
                                      batch.grammar_rows, batch.grammar_bitmask, banned, dead_rows=failed)
         greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -162,6 +171,15 @@ class Sampler:
         # treats NaN as the maximum, so a zero-probability token could win. Clamping keeps the
         # race exact for every token with p > 0.
         return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+
+def _fail_empty_rows(logits: torch.Tensor, failed: dict[int, str]) -> None:
+    """Rows the logits processors left without a finite logit fail (their requests alone): they
+    are zeroed so that the rest of the batch samples as usual, and their token is dropped."""
+    empty = (logits.amax(dim=-1) == float("-inf")).nonzero().squeeze(1).tolist()
+    if empty:
+        logits[empty] = 0.0
+        failed.update((i, "the logits processors leave no token that may be sampled") for i in empty)
 
 
 def _check_batch(logits: torch.Tensor, batch: SamplingBatch) -> None:

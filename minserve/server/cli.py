@@ -122,9 +122,14 @@ ENGINE_HELP = {
                      "(excludes --kv-cache-memory and --num-kv-blocks)",
     "kv_cache_dtype": "KV cache storage: auto (the model dtype) or int8 (a float32 scale per token and "
                       "kv head: ~3.8x the tokens of fp32 at head_dim 64)",
+    "logits_processors": "custom logits processors, qualified class names (package.module:Class); "
+                         "clients pass their per-request arguments in vllm_xargs (docs/extending.md)",
 }
 ENGINE_CHOICES = {"dtype": ("float32", "bfloat16", "float16"), "scheduling_policy": SCHEDULING_POLICIES,
                   "kv_cache_dtype": KV_CACHE_DTYPES, "quantization": QUANTIZATION_METHODS}
+
+# Flags whose values are not one scalar (vLLM spells --logits-processors as a list of names).
+ENGINE_ARG_OPTIONS = {"logits_processors": {"nargs": "+", "metavar": "PKG.MOD:CLASS"}}
 
 
 def add_engine_arguments(group) -> None:
@@ -151,6 +156,7 @@ def add_engine_arguments(group) -> None:
         # else str, and unions such as kv_cache_memory's int | str: EngineConfig parses the string
         if f.name in ENGINE_CHOICES:
             kw["choices"] = ENGINE_CHOICES[f.name]
+        kw.update(ENGINE_ARG_OPTIONS.get(f.name, {}))
         group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kw)
 
 

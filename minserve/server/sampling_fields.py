@@ -28,7 +28,6 @@ UNSUPPORTED: dict[str, str] = {
                            "takes text only",
     "kv_transfer_params": "kv_transfer_params: disaggregated serving (KV transfer) is not "
                           "supported by this server",
-    "vllm_xargs": "vllm_xargs: this server runs no extensions that would read extra arguments",
     # vLLM refuses a per-request template unless started with --trust-request-chat-template,
     # a flag this server does not have (a template is code the server runs).
     "chat_template": "Chat template is passed with request, but --trust-request-chat-template is "
@@ -56,12 +55,20 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def check_fields(body, kind: str) -> None:
-    """Refuse what this server does not implement, and vLLM's invalid combinations."""
+# vllm_xargs become SamplingParams.extra_args, which only custom logits processors read
+# (``minserve serve --logits-processors``); a server without any refuses them rather than drop them.
+NO_EXTRA_ARGS_READERS = "vllm_xargs: this server runs no extensions that would read extra arguments"
+
+
+def check_fields(body, kind: str, reads_extra_args: bool = False) -> None:
+    """Refuse what this server does not implement, and vLLM's invalid combinations.
+    ``reads_extra_args``: the engine runs logits processors, which read ``vllm_xargs``."""
     fields = type(body).model_fields
     for name, message in UNSUPPORTED.items():
         if name in fields and _is_set(getattr(body, name), fields[name].default):
             raise ApiError(400, message, name)
+    if not reads_extra_args and body.vllm_xargs:
+        raise ApiError(400, NO_EXTRA_ARGS_READERS, "vllm_xargs")
     # vLLM's test is on the raw JSON: an empty {} passes, as does null.
     if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
         raise ApiError(400, "Stream options can only be defined when `stream=True`.",
@@ -105,6 +112,8 @@ def sampling_kwargs(body, vocab_size: int, tool_schema: dict | None = None) -> d
     structured = structured_outputs_of(body, tool_schema)
     if structured is not None:
         kw["structured_outputs"] = structured
+    if body.vllm_xargs:
+        kw["extra_args"] = dict(body.vllm_xargs)
     return kw
 
 

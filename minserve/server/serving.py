@@ -83,7 +83,7 @@ def prepare(body, kind: str, engine, model_name: str, limits: RequestLimits | No
     if body.model is not None and body.model != model_name:
         raise ApiError(404, f"The model `{body.model}` does not exist; this server serves "
                        f"`{model_name}` (see /v1/models)", "model", "model_not_found")
-    check_fields(body, kind)  # refused fields and vLLM's invalid combinations (sampling_fields.py)
+    check_fields(body, kind, bool(getattr(engine, "logits_processor_classes", ())))  # sampling_fields.py
     echo = kind != "chat" and body.echo
     plan = plan_tools(body, tools) if kind == "chat" else None
     if kind == "chat":
