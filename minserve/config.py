@@ -21,6 +21,8 @@ _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**1
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+# The built-in scheduling policies; others are registered (minserve.register_scheduling_policy) or
+# named "package.module:Class" (engine/scheduling_policy.py).
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 # vLLM's kv_cache_dtype values that minserve implements: "auto" stores K/V in the model dtype;
@@ -109,7 +111,9 @@ class EngineConfig:
     adaptive_threads: bool = True
     # vLLM's scheduling_policy: "fcfs" (first come, first served) or "priority" (lower
     # Request.priority first; the lowest-priority running request is preempted first; a waiting
-    # request may preempt strictly lower-priority running ones). engine/scheduler.py.
+    # request may preempt strictly lower-priority running ones). engine/scheduler.py. Also any
+    # registered name, a "package.module:Class" or a SchedulingPolicy subclass
+    # (engine/scheduling_policy.py).
     scheduling_policy: str = "fcfs"
     # vLLM's quantization: None (the model's dtype), "int8", "int4" or "int4-awq", applied to the
     # loaded weights at start-up (minserve/quant/schemes.py). quantization_config: that format's
@@ -163,9 +167,8 @@ class EngineConfig:
         _check_int("max_step_records", self.max_step_records, 1, 10_000_000)
         if not isinstance(self.adaptive_threads, bool):
             raise ValueError(f"adaptive_threads must be True or False, got {self.adaptive_threads!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, "
-                             f"got {self.scheduling_policy!r}")
+        from minserve.engine.scheduling_policy import resolve_scheduling_policy
+        resolve_scheduling_policy(self.scheduling_policy)  # names the registered ones when unknown
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.fused_decode not in (None, True, False):

@@ -20,6 +20,8 @@ and it returns to the front of the queue to be recomputed later (prompt plus wha
 so far), the policy vLLM uses by default. The scheduler never runs the model: it only decides, so
 the same code can drive a simulated executor.
 
+Who goes first is the scheduling policy's decision (engine/scheduling_policy.py: a class behind a
+registry, so an experiment can add its own); the mechanics here are the same for every policy.
 ``scheduling_policy="priority"`` (vLLM's name and meaning) changes three orders, and nothing else:
 - the waiting queue is kept sorted by ``(priority, arrival, request_id)``: a lower ``priority``
   value runs first, ties go first come, first served. A preempted request goes back into that same
@@ -40,7 +42,6 @@ within a class.
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections import deque
 from typing import Callable
@@ -48,6 +49,7 @@ from typing import Callable
 from minserve.config import EngineConfig
 from minserve.engine.kv_cache import KVCacheManager
 from minserve.engine.request import Request, RequestStatus
+from minserve.engine.scheduling_policy import SortedQueue, make_scheduling_policy, priority_key  # noqa: F401
 from minserve.engine.step_io import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepUpdate
 
 # The engine's token consumer: appends accepted tokens to a request (text, stop checks) and returns
@@ -55,43 +57,8 @@ from minserve.engine.step_io import ModelRunnerOutput, ScheduledRequest, Schedul
 AppendTokens = Callable[[Request, list], "tuple[int, RequestStatus | None]"]
 
 
-def priority_key(req: Request) -> tuple:
-    """The order of ``scheduling_policy="priority"``: lower value first, then earlier arrival
-    (vLLM's ``Request.__lt__``: priority, arrival time, request id)."""
-    return (req.priority, req.arrival_s, req.request_id)
-
-
-class PriorityQueue:
-    """The waiting queue under ``"priority"``: a list kept sorted by :func:`priority_key`, with the
-    deque operations the scheduler uses. ``appendleft`` (a preempted request) inserts in order too.
-    A sorted list rather than a heap: it iterates in order (the metrics and the deadline model
-    read the queue front to back) and removal (abort) is one search."""
-
-    def __init__(self) -> None:
-        self._items: list[Request] = []
-
-    def append(self, req: Request) -> None:
-        bisect.insort(self._items, req, key=priority_key)
-
-    appendleft = append
-
-    def popleft(self) -> Request:
-        return self._items.pop(0)
-
-    def remove(self, req: Request) -> None:
-        self._items.remove(req)
-
-    def __getitem__(self, i: int) -> Request:
-        return self._items[i]
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __iter__(self):
-        return iter(self._items)
-
-    def __contains__(self, req) -> bool:
-        return req in self._items
+# The priority policy's queue under its older name (tests and notebooks import it from here).
+PriorityQueue = SortedQueue
 
 
 class Scheduler:
@@ -104,8 +71,10 @@ class Scheduler:
         # step find blocks ready (speculative decoding sets it to k).
         self.max_model_len = max_model_len
         self.num_lookahead_tokens = num_lookahead_tokens
-        self.priority = config.scheduling_policy == "priority"
-        self.waiting: deque[Request] | PriorityQueue = PriorityQueue() if self.priority else deque()
+        # Who goes first (engine/scheduling_policy.py); ``key`` None: arrival order.
+        self.policy = make_scheduling_policy(config.scheduling_policy, config)
+        self.key = self.policy.key
+        self.waiting: deque[Request] | SortedQueue = SortedQueue(self.key) if self.key is not None else deque()
         self.running: list[Request] = []      # in admission order: the last is the newest
         self.num_preemptions = 0
 
@@ -122,19 +91,20 @@ class Scheduler:
         decodes = [r for r in self.running if not r.is_prefill]
         prefills = [r for r in self.running if r.is_prefill]
         later: list[Request] = []
-        if self.priority:
-            # Running prefill chunks of a lower priority than the head of the queue come after
-            # its admission, or a long low-priority prompt would take the budget a high-priority
-            # arrival needs (its TTFT would grow by the whole prefill).
-            decodes.sort(key=priority_key)
-            prefills.sort(key=priority_key)
+        key = self.key
+        if key is not None:
+            # Running prefill chunks ranked below the head of the queue come after its admission,
+            # or a long low-priority prompt would take the budget a high-priority arrival needs
+            # (its TTFT would grow by the whole prefill).
+            decodes.sort(key=key)
+            prefills.sort(key=key)
             if self.waiting:
-                head = priority_key(self.waiting[0])
-                later = [r for r in prefills if priority_key(r) > head]
+                head = key(self.waiting[0])
+                later = [r for r in prefills if key(r) > head]
                 prefills = prefills[:len(prefills) - len(later)]
         budget = self._schedule_running(decodes + prefills, out, budget)
         if not out.preempted:
-            budget = self._admit_waiting(out, budget, before=priority_key(later[0]) if later else None)
+            budget = self._admit_waiting(out, budget, before=key(later[0]) if later else None)
         if later:
             budget = self._schedule_running(later, out, budget)
             if not out.preempted:
@@ -197,7 +167,7 @@ class Scheduler:
         if end >= req.num_tokens:
             end += self.num_lookahead_tokens
         while not self.kv.allocate_slots(req.request_id, end):
-            victim = max(self.running, key=priority_key) if self.priority else self.running[-1]
+            victim = self.policy.preemption_victim(self.running)
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is req:
@@ -225,16 +195,14 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, before: tuple | None = None) -> int:
-        """Admit from the head of the queue while budget, seats and blocks last (under "priority",
-        only requests ordered ``before`` the given key). Returns the budget left."""
+        """Admit from the head of the queue while budget, seats and blocks last (with a policy
+        key, only requests ordered ``before`` the given key). Returns the budget left."""
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            if before is not None and priority_key(req) >= before:
+            if before is not None and self.key(req) >= before:
                 break
             if len(self.running) >= self.config.max_num_seqs:
-                if not self.priority:
-                    break
-                victim = self._lower_priority_victim(req)
+                victim = next(iter(self._victims_for(req)), None)
                 if victim is None:
                     break
                 self._preempt(victim)
@@ -254,7 +222,7 @@ class Scheduler:
             if n < remaining and not self.config.enable_chunked_prefill:
                 break
             if not self.kv.allocate_slots(req.request_id, hit + n, cached):
-                if self.priority and self._make_room(req, hit + n, cached, out):
+                if self._make_room(req, hit + n, cached, out):
                     budget = self.config.max_num_batched_tokens - sum(x.num_new_tokens for x in out.scheduled)
                     continue  # victims freed blocks (and maybe budget): look at the head again
                 break  # wait for running requests to finish and free blocks
@@ -273,20 +241,20 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _lower_priority_victim(self, req: Request) -> Request | None:
-        """Under "priority": the running request a waiting ``req`` may preempt, the lowest-priority,
-        latest one, if its priority is strictly lower than ``req``'s (a larger value)."""
-        if not self.running:
-            return None
-        victim = max(self.running, key=priority_key)
-        return victim if victim.priority > req.priority else None
+    def _victims_for(self, req: Request) -> list[Request]:
+        """The running requests a waiting ``req`` may preempt (the policy's ``may_preempt``; under
+        "priority" the strictly lower priorities), first victim first: largest key, or newest."""
+        allowed = [r for r in self.running if self.policy.may_preempt(req, r)]
+        return sorted(allowed, key=self.key, reverse=True) if self.key is not None else allowed[::-1]
 
     def _make_room(self, req: Request, num_tokens: int, cached: list[int], out: SchedulerOutput) -> bool:
-        """Under "priority": preempt lower-priority running requests until the waiting ``req``'s
-        blocks fit. Only starts when all of them together would free enough (blocks held by them
-        alone), so no work is thrown away for nothing. True if anything was preempted."""
-        victims = sorted((r for r in self.running if r.priority > req.priority),
-                         key=priority_key, reverse=True)
+        """Preempt the running requests the policy lets ``req`` preempt (under "priority": lower
+        priorities) until the waiting ``req``'s blocks fit. Only starts when all of them together
+        would free enough (blocks held by them alone), so no work is thrown away for nothing.
+        True if anything was preempted."""
+        victims = self._victims_for(req)
+        if not victims:
+            return False
         ref = self.kv.pool.ref_count
 
         def need() -> int:  # as allocate_slots counts: new blocks plus cached ones to revive

@@ -113,7 +113,8 @@ ENGINE_HELP = {
     "max_step_records": "steps kept for steps_frame()",
     "adaptive_threads": "on CPU, pick each decode step's thread count from measured step times",
     "scheduling_policy": "fcfs, or priority: interactive before batch, then lower 'priority' first; "
-                         "lower-priority requests are preempted first",
+                         "lower-priority requests are preempted first; or a registered policy's name, "
+                         "or package.module:Class (a SchedulingPolicy)",
     "quantization": "quantize the weights at start-up: int8 (per-channel), int4 (group-wise), int4-awq "
                     "(activation-aware int4); default: the model's dtype",
     "quantization_config": "JSON settings of --quantization, e.g. '{\"group_size\": 64}' (keys: group_size, "
@@ -125,11 +126,24 @@ ENGINE_HELP = {
     "logits_processors": "custom logits processors, qualified class names (package.module:Class); "
                          "clients pass their per-request arguments in vllm_xargs (docs/extending.md)",
 }
-ENGINE_CHOICES = {"dtype": ("float32", "bfloat16", "float16"), "scheduling_policy": SCHEDULING_POLICIES,
+ENGINE_CHOICES = {"dtype": ("float32", "bfloat16", "float16"),
                   "kv_cache_dtype": KV_CACHE_DTYPES, "quantization": QUANTIZATION_METHODS}
 
+
+def scheduling_policy_arg(value: str) -> str:
+    """--scheduling-policy: a registered name or an importable package.module:Class, checked now."""
+    from minserve.engine.scheduling_policy import resolve_scheduling_policy
+    try:
+        resolve_scheduling_policy(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
 # Flags whose values are not one scalar (vLLM spells --logits-processors as a list of names).
-ENGINE_ARG_OPTIONS = {"logits_processors": {"nargs": "+", "metavar": "PKG.MOD:CLASS"}}
+ENGINE_ARG_OPTIONS = {"logits_processors": {"nargs": "+", "metavar": "PKG.MOD:CLASS"},
+                      "scheduling_policy": {"type": scheduling_policy_arg,
+                                            "metavar": "{" + ",".join(SCHEDULING_POLICIES) + ",...}"}}
 
 
 def add_engine_arguments(group) -> None:
