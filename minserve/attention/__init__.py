@@ -1,4 +1,4 @@
-"""Paged attention: per-step metadata and backends (torch reference now; Triton on CUDA later)."""
+"""Paged attention: per-step metadata and backends (torch reference, fused C on CPU, Triton on CUDA)."""
 
 from minserve.attention.backend import AttentionBackend, StepSequences, TorchAttentionBackend
 from minserve.attention.metadata import AttentionGroup, AttentionMetadata, build_attention_metadata

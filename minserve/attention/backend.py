@@ -5,7 +5,8 @@ block table). Each backend builds its *own* metadata from that, so none has to r
 - ``torch``: the PyTorch reference (attention/torch_paged.py), any step, any device;
 - ``fused-cpu``: the fused C step (attention/fused_cpu.py), which runs the whole model for steps of
   a few tokens per sequence (decodes, speculative verification) on CPU in float32;
-- a Triton backend for CUDA plugs in beside them (kernels/triton/).
+- ``triton-decode``: decode steps on CUDA through the Triton paged-decode kernel
+  (attention/triton_decode.py, kernels/triton/paged_decode.py); other steps go to the torch op.
 
 The runner asks the backends in order of preference and uses the first whose
 :meth:`AttentionBackend.unsupported_reason` is None; ``torch`` supports every step, so it is last.
