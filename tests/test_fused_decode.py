@@ -72,10 +72,12 @@ def test_fused_step_matches_torch_forward(variant, tmp_path):
         torch.testing.assert_close(v.view(-1, *v.shape[2:])[slots], rv, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("batch,in_features,out_features", [(1, 576, 960), (11, 37, 5), (3, 16, 33)])
+@pytest.mark.parametrize("batch,in_features,out_features",
+                         [(1, 576, 960), (11, 37, 5), (3, 16, 33), (16, 40, 19), (7, 1536, 66)])
 @pytest.mark.parametrize("accumulate", [0, 1])
 def test_matmul_kernel_matches_linear(batch, in_features, out_features, accumulate):
-    """Odd sizes (tails shorter than a vector, more inputs than one pass) and the residual mode."""
+    """Odd sizes (tails shorter than a vector, more inputs than one pass, rows a block of 4 leaves
+    over: 19 = 4 x 4 + 3, 16 inputs = 6 + 6 + 4) and the residual mode."""
     lib = kernel_build.load("decode")
     g = torch.Generator().manual_seed(batch)
     w, b = torch.randn(out_features, in_features, generator=g), torch.randn(out_features, generator=g)
