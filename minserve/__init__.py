@@ -32,6 +32,7 @@ from minserve.config import EngineConfig
 from minserve.engine.llm import LLM
 from minserve.engine.llm_engine import LLMEngine, StepStats
 from minserve.engine.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+from minserve.engine.observers import LogitsRecorder, StepObserver
 from minserve.engine.scheduling_policy import SchedulingPolicy, register_scheduling_policy
 from minserve.models.registry import ModelRegistry
 from minserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -42,7 +43,7 @@ from minserve.sampling_params import RequestOutputKind, SamplingParams
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput",
            "CompletionOutput", "RequestMetrics", "Logprob", "StepStats",
            "LogitsProcessor", "BatchUpdate", "MoveDirectionality", "SchedulingPolicy", "register_scheduling_policy",
-           "ModelRegistry"]
+           "ModelRegistry", "StepObserver", "LogitsRecorder"]
 __version__ = "0.1.0"
 
 

@@ -33,6 +33,7 @@ import logging
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -176,6 +177,7 @@ class BlockPool:
         self._free_plain: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self.num_evictions = 0
+        self.on_evict: Callable[[int], None] | None = None  # step observers (engine/observers.py)
 
     @property
     def num_free(self) -> int:
@@ -199,6 +201,8 @@ class BlockPool:
         del self.cached[self.block_hash[b]]
         self.block_hash[b] = self.block_key[b] = None
         self.num_evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(b)
 
     def release(self, blocks: list[int]) -> None:
         # Reversed, so a request's tail blocks (the least likely to be shared) are evicted first.
@@ -237,6 +241,14 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.model_fingerprint = model_fingerprint
         self.block_tables: dict[str, list[int]] = {}
+        # Step observers' fan-out (engine/observers.py StepObservers), None when there are none:
+        # then a block operation builds no event.
+        self.events = None
+
+    def observe(self, events) -> None:
+        """Send block events to ``events`` (a StepObservers), or stop (None)."""
+        self.events = events
+        self.pool.on_evict = None if events is None else (lambda b: events.kv_event("evict", None, (b,)))
 
     # ---- prefix cache ------------------------------------------------------------------
 
@@ -295,7 +307,10 @@ class KVCacheManager:
         self.pool.acquire(list(cached_blocks))  # before allocate, so hits cannot be evicted
         table = self.block_tables.setdefault(request_id, [])
         table.extend(cached_blocks)
-        table.extend(self.pool.allocate(max(0, need)))
+        new = self.pool.allocate(max(0, need))
+        table.extend(new)
+        if self.events is not None and (new or cached_blocks):
+            self.events.kv_event("allocate", request_id, new, cached_blocks)
         return True
 
     def fork(self, request_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
@@ -312,10 +327,11 @@ class KVCacheManager:
         shared = table[:num_full]
         self.pool.acquire(shared)
         child = self.block_tables[child_id] = list(shared)
-        if not partial:
-            return []
-        child.extend(self.pool.allocate(1))
-        return [(table[num_full], child[-1])]
+        copy = self.pool.allocate(1) if partial else []
+        child.extend(copy)
+        if self.events is not None:
+            self.events.kv_event("allocate", child_id, copy, shared)
+        return [(table[num_full], copy[0])] if partial else []
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Shrink the request's table to the blocks that ``num_tokens`` tokens need; the blocks
@@ -326,10 +342,15 @@ class KVCacheManager:
         keep = -(-max(0, num_tokens) // self.block_size)
         if keep < len(table):
             self.pool.release(table[keep:])
+            if self.events is not None:
+                self.events.kv_event("free", request_id, table[keep:])
             del table[keep:]
 
     def free(self, request_id: str) -> None:
-        self.pool.release(self.block_tables.pop(request_id, []))
+        blocks = self.block_tables.pop(request_id, [])
+        self.pool.release(blocks)
+        if self.events is not None and blocks:
+            self.events.kv_event("free", request_id, blocks)
 
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables[request_id]

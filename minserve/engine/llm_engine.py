@@ -27,6 +27,7 @@ from minserve.engine.output_processor import OutputProcessor
 from minserve.engine.parallel_sampling import ParentRequest, fan_out
 from minserve.engine.inputs import check_cache_salt, check_params, prepare_logits_controls, prompt_ids
 from minserve.engine.isolation import execute_isolating_faults
+from minserve.engine.observers import StepObserver, StepObservers
 from minserve.engine.penalties import PreparedControls
 from minserve.engine.request import Request, RequestRecord, RequestStatus
 from minserve.engine.sampler import make_generator
@@ -92,6 +93,7 @@ class LLMEngine:
         self.grammar = self.runner.grammar = GrammarBackend(self.tokenizer, loaded.config.vocab_size,
                                                             self.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self._observers: StepObservers | None = None  # add_step_observer (engine/observers.py)
         # Requests with n > 1 while a sample of theirs is unfinished (engine/parallel_sampling.py);
         # each sample is also in ``requests``, sample 0 under the request's own id.
         self.parents: dict[str, ParentRequest] = {}
@@ -224,6 +226,29 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished
 
+    # ---- step observers (engine/observers.py) -----------------------------------------------
+
+    def add_step_observer(self, observer: StepObserver) -> None:
+        """Let ``observer`` see every scheduled batch, KV block event and sampled token from now
+        on, and the logits of the requests in its ``capture_logits``."""
+        if not isinstance(observer, StepObserver):
+            raise ValueError(f"observer must be a StepObserver, got {type(observer).__name__}")
+        if self._observers is None:
+            self._observers = obs = StepObservers()
+            self.kv.observe(obs)
+            self.runner.logits_tap = lambda reqs, logits: obs.logits(self.num_steps, reqs, logits)
+        self._observers.observers.append(observer)
+
+    def remove_step_observer(self, observer: StepObserver) -> None:
+        """Stop notifying ``observer``; with the last one gone the engine builds no records."""
+        if self._observers is None or observer not in self._observers.observers:
+            return
+        self._observers.observers.remove(observer)
+        if not self._observers.observers:
+            self._observers = None
+            self.kv.observe(None)
+            self.runner.logits_tap = None
+
     # ---- one iteration ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -240,6 +265,9 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         for req in sched.preempted:  # a draft model's KV for it goes too (recomputed later)
             self._forget_proposals(req)
+        observers = self._observers
+        if observers is not None and not sched.is_empty:
+            observers.scheduled(self.num_steps, sched)
         outputs, finished = [], []
         for req, why in sched.failed:
             self._fail(req, why, outputs, finished)
@@ -261,6 +289,8 @@ class LLMEngine:
         self._parent_outputs(update, outputs, failed)
         for req, why in failed:
             self._fail(req, why, outputs, finished, client=req.request_id in ran.client_errors)
+        if observers is not None:
+            observers.step_end(self.num_steps, [(r, n) for r, n in update.appended if r.error is None], finished)
         stats = self._record_step(t0, sched, self.scheduler.num_preemptions - preempted_before,
                                   update.num_accepted_spec_tokens)
         self.metrics.record_step(stats, [(r, n) for r, n in update.appended if r.error is None], finished)

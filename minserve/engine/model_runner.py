@@ -107,6 +107,9 @@ class ModelRunner:
         # ([proposals, vocab]; spec/draft.py): sampled requests verify against them by rejection
         # sampling. Requests without an entry verify their proposals as one-hot (spec/verify.py).
         self.draft_probs: dict[str, torch.Tensor] = {}
+        # Step observers' logits capture (engine/observers.py): called with the rows' requests and
+        # the raw logits of every sampling step; None (no observer) costs nothing.
+        self.logits_tap = None
         # CPU only: a GPU step's host threads are not where its time goes.
         adaptive = adaptive_threads_enabled(config) and self.device.type == "cpu"
         self.threads = ThreadController(torch.get_num_threads(), enabled=adaptive,
@@ -239,6 +242,8 @@ class ModelRunner:
             reqs += forks
             banned += [_banned_tokens(child) for child in forks]
         before = [s.spec_token_ids[:i] for s in sampling for i in range(s.num_logits_rows)] + [[]] * len(forks)
+        if self.logits_tap is not None:
+            self.logits_tap(reqs, logits)
         procs = self.logits_processors
         if procs is not None:
             procs.update(processor_rows(reqs, before))
