@@ -279,8 +279,8 @@ race.round(2)
 # bytes than int8 but asks for more work per byte: two codes to unpack from every byte, and a scale
 # *and* a minimum per group of 32. When the kernel's arithmetic cannot keep pace with memory, the
 # extra saving stops paying; compare the two kernels' GB/s above. (This is one reason the int4
-# format keeps an int8 LM head by default; the README's section
-# [The LM head: measured both ways](../README.md#the-lm-head-measured-both-ways-stated-per-format)
+# format keeps an int8 LM head by default; the docs' section
+# [The LM head: measured both ways](../docs/engine/quantization.md#the-lm-head-measured-both-ways-stated-per-format)
 # measures both.)
 #
 # ### The whole model: batch-1 decode
@@ -545,7 +545,7 @@ gate_lesson = lab.lesson("05-gate-kl", "even a small slice ranks the formats by 
 # %% [markdown]
 # **The shipped run.** The full gate (20 texts, 40 agreement prompts, 64 questions) takes minutes
 # per format on this CPU, so this notebook does not rerun it: the numbers below are the ones the
-# README records, from the command printed under the table, on SmolLM2-135M. This notebook only
+# docs' quality gate page records, from the command printed with it, on SmolLM2-135M. This notebook only
 # judges them again with the gate's own code. They were measured on another day, on the same model
 # and data; the live slice above is this machine, today. Keep the two apart when you quote them.
 
@@ -688,7 +688,7 @@ if lab01 and lab01.get("decode_tok_per_s_by_batch"):
 # - With `ex.plan_format`, find the memory budget at which int4 weights with an int8 KV cache hold
 #   64 sequences of 4096 tokens. How much would fp32 need?
 # - In a batch the arithmetic, not the bytes, sets the pace. Int8 activations change the arithmetic:
-#   each layer quantizes its inputs to int8 and multiplies with integer dot products (README, "Int8
+#   each layer quantizes its inputs to int8 and multiplies with integer dot products (docs/engine/quantization.md, "Int8
 #   activations"). Race it:
 #   `more = ex.build_engines(P5, {"int4 a8": "int4:activations=int8"}, **ENGINE)`, then
 #   `ex.decode_race({**engines, **more}, ex.prose_prompts(tok, BATCH), DECODE_TOKENS)` and the same

@@ -749,7 +749,7 @@ if lab01 and lab01.get("decode_tok_per_s_by_batch"):
 # - Use `ex.roofline_costs` with `hardware="h100"`: on that roofline, up to which batch size would a
 #   verify step with `k = 4` stay almost free?
 # - Propose with a draft model instead of lookup: `ex.make_engine(P, k=4, method="draft_model",
-#   **ENGINE)` runs the model's own checkpoint in int4 as the draft (README, "Speculative
+#   **ENGINE)` runs the model's own checkpoint in int4 as the draft (docs/engine/speculative.md, "Speculative
 #   decoding"). Rerun section 3 with it: it proposes on chat too, where lookup finds nothing. Why is
 #   its acceptance rate so high with this checkpoint (where did the checkpoint's weights come from?),
 #   and how does the speed-up compare with what section 4's model predicts from that rate (what

@@ -55,7 +55,7 @@
 # setting, which a client of a shared server cannot change: they are skipped with one line each.
 #
 # **Prerequisites:** [Lab 00](00_tour.ipynb) and [Lab 01](01_prefill_vs_decode.ipynb) (TTFT, TPOT,
-# batching); the README's [serving over HTTP](../README.md#serving-over-http) section.
+# batching); the docs' [serving over HTTP](../docs/serving/index.md) page.
 #
 # **Source files:** [`server/admission.py`](../minserve/server/admission.py) (classification,
 # per-class budgets, shedding), [`server/deadlines.py`](../minserve/server/deadlines.py) (the

@@ -5,9 +5,10 @@ on a few texts and questions, on engines the lab has already built, and judges e
 gate's documented thresholds (:func:`minserve.eval.gate.check`). A slice that small is quick and
 noisy: one question out of 16 is 6.25 points of exact match, more than a threshold.
 
-:data:`SHIPPED_GATE` is the full run that README.md records (20 texts, 40 agreement prompts, 64
-questions), produced by :data:`SHIPPED_COMMAND` on SmolLM2-135M; :func:`shipped_frame` re-judges
-it with the same thresholds, so what passes here is what the gate's code says, not a copied word.
+:data:`SHIPPED_GATE` is the full run that docs/engine/quality-gate.md records (20 texts, 40
+agreement prompts, 64 questions), produced by :data:`SHIPPED_COMMAND` on SmolLM2-135M;
+:func:`shipped_frame` re-judges it with the same thresholds, so what passes here is what the
+gate's code says, not a copied word.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ SHIPPED_COMMAND = (".venv/bin/python -m minserve.cli eval --model smollm2-135m -
 SHIPPED_QUESTIONS, SHIPPED_TEXTS = 64, 20
 SHIPPED_AGREEMENT_PROMPTS, SHIPPED_AGREEMENT_TOKENS = 40, 32
 # (format, weights MB streamed per token, perplexity, mean KL, greedy agreement (mean first
-# difference / length), questions answered right): README.md, "int4-awq", as printed there.
+# difference / length), questions answered right): docs/engine/quality-gate.md, as printed there.
 SHIPPED_GATE = [
     ("fp32", 538.1, 20.540, 0.0, 1.000, 46),
     ("int8", 135.4, 20.537, 0.00495, 0.517, 44),
@@ -77,7 +78,7 @@ def shipped_results() -> list[FormatResult]:
 
 
 def shipped_frame():
-    """The README's full gate run, judged again here with the documented thresholds."""
+    """The documented full gate run, judged again here with the documented thresholds."""
     return gate_frame(shipped_results())
 
 
