@@ -27,6 +27,7 @@ class AttentionGroup:
     first_block: int | None     # set when a lone sequence's blocks are consecutive: read a view, no gather
     mask: torch.Tensor | None   # [num_seqs, 1, query_len, max_kv_len] bool, True = may attend
     is_causal: bool             # one sequence, no cached context: plain causal attention
+    context_lens: tuple[int, ...] = ()   # cached tokens before each sequence's queries
 
     @property
     def token_end(self) -> int:
@@ -78,10 +79,11 @@ def _build_group(token_start: int, q: int, ctxs: list[int], tables: list[list[in
         table = tables[0][:num_blocks]
         consecutive = table == list(range(table[0], table[0] + num_blocks))
         return AttentionGroup(token_start, 1, q, kv_blocks, max_kv, table[0] if consecutive else None,
-                              None, is_causal=q > 1)
+                              None, is_causal=q > 1, context_lens=tuple(ctxs))
     # Query j of a sequence with c cached tokens sits at position c + j and sees keys 0..c+j.
     key_pos = torch.arange(max_kv, device=device)[None, None, :]
     last_visible = (torch.tensor(ctxs, device=device)[:, None, None]
                     + torch.arange(q, device=device)[None, :, None])
     mask = (key_pos <= last_visible).unsqueeze(1)
-    return AttentionGroup(token_start, n, q, kv_blocks, max_kv, None, mask, is_causal=False)
+    return AttentionGroup(token_start, n, q, kv_blocks, max_kv, None, mask, is_causal=False,
+                          context_lens=tuple(ctxs))

@@ -12,6 +12,10 @@ each layer materialises a float copy of every gathered K and V (4 bytes per elem
 after 1 read), so it saves pool memory (more tokens fit) but not attention bandwidth, and it never
 reads a lone sequence's blocks as a view. A kernel that dequantizes in registers as it reads
 (kernels/triton/paged_decode.py, the fused C step) is where int8 KV can become speed.
+
+Prefill chunks in float32 on the CPU (at least ``MIN_QUERY_LEN`` queries) run their attention in C
+instead (kernels/prefill_attention.py: a flash attention about twice as fast as PyTorch's CPU SDPA);
+anything it does not take goes to SDPA as before.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from minserve.attention.metadata import AttentionMetadata
+from minserve.kernels.prefill_attention import MIN_QUERY_LEN, applies, prefill_attention
 from minserve.kernels.triton.reference import dequantize_kv_int8, write_kv_int8
 
 
@@ -54,6 +59,10 @@ class TorchPagedAttention:
         return torch.cat([self._group(q[g.token_start:g.token_end], caches, g) for g in meta.groups], dim=0)
 
     def _group(self, q, caches, g) -> torch.Tensor:
+        if g.query_len >= MIN_QUERY_LEN and applies(q, self.head_dim):
+            out = self._prefill_in_c(q, caches, g)
+            if out is not None:
+                return out
         n, ql = g.num_seqs, g.query_len
         k_cache, v_cache, k_scales, v_scales = caches
         # [n, blocks, block_size, Hkv, D] -> [n, L, Hkv, D] -> [n, Hkv, L, D]
@@ -67,12 +76,35 @@ class TorchPagedAttention:
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return out.transpose(1, 2).reshape(n * ql, self.num_heads * self.head_dim)
 
+    def _prefill_in_c(self, q, caches, g) -> torch.Tensor | None:
+        """Each sequence's chunk through the C kernel: its queries see its cached context and
+        its own earlier positions, the same keys g.mask lets SDPA see. None: use SDPA."""
+        k_cache, v_cache, k_scales, v_scales = caches
+        keys, values = self._rows(k_cache, g), self._rows(v_cache, g)   # [n, L, Hkv, D]
+        if k_scales is not None:
+            keys = dequantize_kv_int8(keys, self._rows(k_scales, g))
+            values = dequantize_kv_int8(values, self._rows(v_scales, g))
+        queries = q.view(g.num_seqs, g.query_len, self.num_heads, self.head_dim)
+        outs = []
+        for i, ctx in enumerate(g.context_lens):
+            kv_len = ctx + g.query_len
+            out = prefill_attention(queries[i], keys[i, :kv_len], values[i, :kv_len], self.scale)
+            if out is None:
+                return None
+            outs.append(out.view(g.query_len, -1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
     @staticmethod
-    def _gather(cache: torch.Tensor, g) -> torch.Tensor:
-        """A cache's blocks for the group as [n, Hkv, L, ...]: K/V [.., D] or scales (no last dim)."""
+    def _rows(cache: torch.Tensor, g) -> torch.Tensor:
+        """A cache's blocks for the group as token rows [n, L, ...]: K/V [.., Hkv, D] or scales."""
         if g.first_block is not None:
             # Consecutive blocks (common for a lone request in a fresh pool): a view, no copy.
             blocks = cache[g.first_block:g.first_block + g.kv_blocks.shape[1]].unsqueeze(0)
         else:
             blocks = cache[g.kv_blocks]
-        return blocks.flatten(1, 2)[:, :g.kv_len].transpose(1, 2)
+        return blocks.flatten(1, 2)[:, :g.kv_len]
+
+    @classmethod
+    def _gather(cls, cache: torch.Tensor, g) -> torch.Tensor:
+        """A cache's blocks for the group as [n, Hkv, L, ...]: K/V [.., D] or scales (no last dim)."""
+        return cls._rows(cache, g).transpose(1, 2)

@@ -1,0 +1,206 @@
+/* Causal attention of one sequence's prefill chunk, float32, on the CPU: flash attention in C.
+ *
+ * Why this exists: after the weight products moved to oneDNN (minserve/models/gemm.py), PyTorch's
+ * CPU flash SDPA was the slowest part of a long prefill: ~115 GFLOP/s, a quarter of this CPU's FMA
+ * ceiling, about a third of a 1024-token prompt's time (benchmarks/bench_roofline.py). Here both
+ * products of attention run as small register-blocked GEMMs whose loads are mostly reused
+ * (MR x 4 accumulators per 4 + MR loads), and the softmax is computed online (flash attention), so
+ * no [queries x keys] matrix ever exists.
+ *
+ * Shapes (checked on the Python side, minserve/attention/prefill_cpu.py):
+ *   q   [T, H, D]   the chunk's queries, T positions q_offset .. q_offset + T - 1;
+ *   k,v [L, Hkv, D] keys and values of positions 0 .. L - 1 (the cached context, then the chunk),
+ *                   L = q_offset + T; query head h reads kv head h / (H / Hkv) (grouped queries);
+ *   out [T, H, D].
+ * D must be a multiple of 64 (64 and 128 are the common head sizes).
+ *
+ * Work items: one kv head x QUERY_BLOCK positions, all of that kv head's query heads together, so
+ * a packed key block serves them all. Items are dealt dynamically: under a causal mask the later
+ * query blocks see more keys.
+ */
+#define _POSIX_C_SOURCE 200112L   /* posix_memalign under -std=c11 */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "quant_dot.h"   /* vf16, hsum, omp.h */
+#include "vmath.h"       /* vexp */
+
+#define KEY_BLOCK 64      /* keys per block: one row of scores is 4 vectors */
+#define QUERY_BLOCK 32    /* positions per work item */
+#define MR 6              /* rows per register block: 6 x 4 accumulators + 4 loaded vectors */
+#define MAX_GROUP 16      /* query heads per kv head this file takes */
+
+/* acc[r][c] = sum_k A[r, k] * B[k, 16c .. 16c + 15] for mr <= MR rows and 4 vectors of columns:
+ * each B row is loaded once (4 vectors) and each A element broadcast once, 4 + mr loads per
+ * 4 * mr multiply-adds. */
+static inline __attribute__((always_inline)) void
+block_product(const float *restrict A, int64_t lda, const float *restrict B, int64_t ldb, int64_t K,
+              const int mr, vf16 acc[MR][4]) {
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = (vf16){0};
+    for (int64_t k = 0; k < K; k++) {
+        const float *b = B + k * ldb;
+        vf16 b0 = *(const vf16 *)b, b1 = *(const vf16 *)(b + 16);
+        vf16 b2 = *(const vf16 *)(b + 32), b3 = *(const vf16 *)(b + 48);
+        for (int r = 0; r < mr; r++) {
+            float a = A[r * lda + k];
+            acc[r][0] += a * b0; acc[r][1] += a * b1; acc[r][2] += a * b2; acc[r][3] += a * b3;
+        }
+    }
+}
+
+/* C[rows, 64] = A[rows, K] @ B[K, 64], or C = C * alpha[row] + that (alpha != NULL): the online
+ * softmax's rescale of the running output, folded into the store. */
+static void product_rows(const float *A, int64_t lda, const float *B, int64_t ldb, int64_t K,
+                         int64_t rows, float *C, int64_t ldc, const float *alpha) {
+    vf16 acc[MR][4];
+    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+        int mr = rows - r0 < MR ? (int)(rows - r0) : MR;
+        switch (mr) {   /* a constant row count per case: the accumulators stay in registers */
+#define CASE(n) case n: block_product(A + r0 * lda, lda, B, ldb, K, n, acc); break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
+#undef CASE
+        }
+        for (int r = 0; r < mr; r++) {
+            vf16 *c = (vf16 *)(C + (r0 + r) * ldc);
+            for (int j = 0; j < 4; j++) c[j] = alpha ? c[j] * alpha[r0 + r] + acc[r][j] : acc[r][j];
+        }
+    }
+}
+
+typedef struct {   /* one thread's buffers for a work item: rows = group * QUERY_BLOCK */
+    float *q;      /* [rows, D] the item's queries, pre-scaled */
+    float *p;      /* [rows, KEY_BLOCK] scores, then probabilities */
+    float *o;      /* [rows, D] running output */
+    float *m, *l, *alpha;   /* [rows] running max, running sum, this block's rescale */
+} Buffers;
+
+static inline float hmax(vf16 v) {
+    float m = v[0];
+    for (int t = 1; t < 16; t++) m = v[t] > m ? v[t] : m;
+    return m;
+}
+
+/* Scores -> probabilities for one key block, updating each row's running max and sum (the online
+ * softmax). Keys past a row's own position (causal) or past the block's end get probability 0. */
+static void softmax_block(Buffers *b, int64_t rows, int64_t first_pos, int64_t key0, int64_t nk) {
+    const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int64_t r = 0; r < rows; r++) {
+        vf16 *s = (vf16 *)(b->p + r * KEY_BLOCK);
+        int64_t pos = first_pos + r % QUERY_BLOCK;
+        int64_t visible = pos - key0 + 1 < nk ? pos - key0 + 1 : nk;   /* keys this row may see */
+        if (visible <= 0) {   /* the whole block is in this row's future */
+            memset(s, 0, KEY_BLOCK * sizeof(float));
+            b->alpha[r] = 1.0f;
+            continue;
+        }
+        vi16 seen[4];
+        vf16 mv = splat(b->m[r]);
+        for (int c = 0; c < 4; c++) {
+            seen[c] = lane + 16 * c < (int32_t)visible;
+            mv = vselect(seen[c] & (s[c] > mv), s[c], mv);
+        }
+        float mx = hmax(mv);
+        vf16 sum = (vf16){0};
+        for (int c = 0; c < 4; c++) {   /* vexp clamps, so masked lanes are zeroed, not -inf */
+            s[c] = vselect(seen[c], vexp(s[c] - mx), splat(0.0f));
+            sum += s[c];
+        }
+        float a = b->m[r] == -INFINITY ? 0.0f : expf(b->m[r] - mx);
+        b->alpha[r] = a;
+        b->l[r] = b->l[r] * a + hsum(sum);
+        b->m[r] = mx;
+    }
+}
+
+/* One work item: kv head kvh, positions q_offset + t0 .. + QUERY_BLOCK - 1 of query heads
+ * kvh * G .. kvh * G + G - 1. kt: the keys transposed, [Hkv, D, ldkt]. */
+static void attend_item(const float *q, const float *kt, int64_t ldkt, const float *v, float *out,
+                        int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t q_offset, float scale,
+                        int64_t kvh, int64_t t0, Buffers *b) {
+    int64_t G = H / Hkv, nq = T - t0 < QUERY_BLOCK ? T - t0 : QUERY_BLOCK;
+    int64_t rows = G * QUERY_BLOCK, first_pos = q_offset + t0, last_pos = first_pos + nq - 1;
+    for (int64_t g = 0; g < G; g++)          /* rows g * QUERY_BLOCK + i: head kvh * G + g */
+        for (int64_t i = 0; i < QUERY_BLOCK; i++) {
+            float *dst = b->q + (g * QUERY_BLOCK + i) * D;
+            const float *src = q + ((t0 + (i < nq ? i : 0)) * H + kvh * G + g) * D;
+            for (int64_t d = 0; d < D; d++) dst[d] = src[d] * scale;   /* past T: a copy, unused */
+        }
+    for (int64_t r = 0; r < rows; r++) b->m[r] = -INFINITY, b->l[r] = 0.0f;
+    memset(b->o, 0, rows * D * sizeof(float));
+    int64_t ldkv = Hkv * D;
+    for (int64_t key0 = 0; key0 <= last_pos; key0 += KEY_BLOCK) {
+        int64_t nk = last_pos + 1 - key0 < KEY_BLOCK ? last_pos + 1 - key0 : KEY_BLOCK;
+        product_rows(b->q, D, kt + kvh * D * ldkt + key0, ldkt, D, rows, b->p, KEY_BLOCK, NULL);
+        softmax_block(b, rows, first_pos, key0, nk);
+        for (int64_t c = 0; c < D; c += 64)  /* o = o * alpha + p @ v, 64 output columns at a time */
+            product_rows(b->p, KEY_BLOCK, v + key0 * ldkv + kvh * D + c, ldkv, nk, rows, b->o + c, D,
+                         b->alpha);
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t i = 0; i < nq; i++) {
+            int64_t r = g * QUERY_BLOCK + i;
+            float inv = 1.0f / b->l[r];
+            float *dst = out + ((t0 + i) * H + kvh * G + g) * D;
+            for (int64_t d = 0; d < D; d++) dst[d] = b->o[r * D + d] * inv;
+        }
+}
+
+static int alloc_buffers(Buffers *b, int64_t G, int64_t D) {
+    int64_t rows = G * QUERY_BLOCK;
+    size_t floats = (size_t)(2 * rows * D + rows * KEY_BLOCK + 3 * rows);
+    void *mem = NULL;
+    if (posix_memalign(&mem, 64, floats * sizeof(float))) return 0;
+    float *f = mem;
+    b->q = f; f += rows * D;
+    b->o = f; f += rows * D;
+    b->p = f; f += rows * KEY_BLOCK;
+    b->m = f; f += rows;
+    b->l = f; f += rows;
+    b->alpha = f;
+    return 1;
+}
+
+/* The exported entry: 0 on success, -1 for shapes this file does not take (the caller falls back
+ * to PyTorch's SDPA), -2 when a thread could not allocate its buffers. nthreads <= 0: the caller's
+ * OpenMP default (PyTorch's thread count). */
+int64_t ms_prefill_attention(const float *q, const float *k, const float *v, float *out, int64_t T,
+                             int64_t H, int64_t Hkv, int64_t D, int64_t q_offset, float scale,
+                             int64_t nthreads) {
+    if (T < 1 || Hkv < 1 || H % Hkv || H / Hkv > MAX_GROUP || D < 64 || D % 64 || q_offset < 0)
+        return -1;
+    int64_t blocks = (T + QUERY_BLOCK - 1) / QUERY_BLOCK, items = Hkv * blocks, failed = 0;
+    int64_t L = q_offset + T, ldkt = (L + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK, ldkv = Hkv * D;
+    int nt = nthreads > 0 ? (int)nthreads : omp_get_max_threads();
+    /* The keys transposed once, [Hkv, D, L rounded up to a block, zeros past L]: the score
+     * product reads them as rows of keys. Transposed per work item instead, every query block
+     * would redo it for the same keys. */
+    float *kt = NULL;
+    if (posix_memalign((void **)&kt, 64, (size_t)(Hkv * D * ldkt) * sizeof(float))) return -2;
+    #pragma omp parallel num_threads(nt) reduction(+ : failed)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t hd = 0; hd < Hkv * D; hd++) {
+            float *row = kt + hd * ldkt;
+            for (int64_t t = 0; t < L; t++) row[t] = k[t * ldkv + hd];
+            for (int64_t t = L; t < ldkt; t++) row[t] = 0.0f;
+        }   /* the loop's barrier: every row is written before any item reads one */
+        Buffers b;
+        int ok = alloc_buffers(&b, H / Hkv, D);
+        failed += !ok;
+        /* Every thread enters the loop (a work-sharing loop must be met by the whole team); one
+         * without buffers skips its items, and the caller, told so, falls back. The last query
+         * blocks go first: they see the most keys, so the uneven tail is short. */
+        #pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t it = 0; it < items; it++) {
+            int64_t block = blocks - 1 - it / Hkv, kvh = it % Hkv;
+            if (ok)
+                attend_item(q, kt, ldkt, v, out, T, H, Hkv, D, q_offset, scale, kvh,
+                            block * QUERY_BLOCK, &b);
+        }
+        if (ok) free(b.q);
+    }
+    free(kt);
+    return failed ? -2 : 0;
+}

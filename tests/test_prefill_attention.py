@@ -1,0 +1,94 @@
+"""The C prefill attention (kernels/prefill_attention.c) against PyTorch's SDPA with an explicit
+causal mask, and the engine's routing to it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minserve import LLM, SamplingParams
+from minserve.kernels import prefill_attention as pa
+
+if pa._library() is None:
+    pytest.skip("no C compiler: the kernel cannot be built here", allow_module_level=True)
+
+
+def _reference(q, k, v, scale):
+    """SDPA with the mask written out: query i at position L - T + i sees keys 0..L - T + i."""
+    T, L = q.shape[0], k.shape[0]
+    mask = torch.arange(L)[None, :] <= torch.arange(L - T, L)[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+# (queries, cached context, heads, kv heads, head size): blocks of 32 queries and 64 keys with
+# tails on both sides, a context that is not a multiple of a block, grouped and plain heads.
+SHAPES = [(16, 0, 9, 3, 64), (37, 0, 9, 3, 64), (100, 250, 9, 3, 64), (64, 0, 4, 4, 128),
+          (200, 70, 8, 2, 128), (129, 1, 6, 1, 64)]
+
+
+@pytest.mark.parametrize("T,ctx,H,Hkv,D", SHAPES)
+def test_the_kernel_is_causal_attention(T, ctx, H, Hkv, D):
+    g = torch.Generator().manual_seed(T * 1000 + ctx)
+    q = torch.randn(T, H, D, generator=g)
+    k, v = torch.randn(ctx + T, Hkv, D, generator=g), torch.randn(ctx + T, Hkv, D, generator=g)
+    out = pa.prefill_attention(q, k, v, D ** -0.5)
+    # float32 sums of <= 300 terms of size ~1 in another order: a few ulps of the outputs' ~1.
+    torch.testing.assert_close(out, _reference(q, k, v, D ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_large_scores_do_not_overflow():
+    """The online softmax subtracts each row's running max: scores of ~1e3 are fine."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(80, 2, 64, generator=g) * 6 for _ in range(3))
+    out = pa.prefill_attention(q, k, v, 1.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, _reference(q, k, v, 1.0), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["short", "bfloat16", "head_dim_80"])
+def test_what_the_kernel_does_not_take_returns_none(case):
+    T, D, dtype = {"short": (pa.MIN_QUERY_LEN - 1, 64, torch.float32),
+                   "bfloat16": (32, 64, torch.bfloat16), "head_dim_80": (32, 80, torch.float32)}[case]
+    q, k = torch.zeros(T, 2, D, dtype=dtype), torch.zeros(T, 2, D, dtype=dtype)
+    assert pa.prefill_attention(q, k, k, 1.0) is None
+
+
+def test_mismatched_shapes_name_both():
+    with pytest.raises(ValueError, match=r"keys \(20, 2, 64\)"):
+        pa.prefill_attention(torch.zeros(32, 4, 64), torch.zeros(20, 2, 64), torch.zeros(20, 2, 64), 1.0)
+
+
+def test_the_switch_is_checked(monkeypatch):
+    monkeypatch.setenv("MINSERVE_PREFILL_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="MINSERVE_PREFILL_ATTENTION must be one of c, sdpa"):
+        pa.choice()
+
+
+def _greedy(monkeypatch, switch, prompts):
+    monkeypatch.setenv("MINSERVE_PREFILL_ATTENTION", switch)
+    calls = []
+    inner = pa.prefill_attention
+    monkeypatch.setattr("minserve.attention.torch_paged.prefill_attention",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or inner(*a, **k))
+    # A 64-token step budget: long prompts arrive in chunks, the later ones over cached context;
+    # prefix caching makes the repeated prompt start from cached blocks.
+    llm = LLM("smollm2-135m", max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory="64MiB",
+              enable_prefix_caching=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                     o.outputs[0].token_ids)])
+            for o in outs], calls
+
+
+def test_the_engine_prefills_through_the_kernel_with_sdpa_s_outputs(monkeypatch):
+    g = torch.Generator().manual_seed(11)
+    base = torch.randint(100, 40000, (150,), generator=g).tolist()
+    prompts = [base, base[:40] + [7] * 30, torch.randint(100, 40000, (20,), generator=g).tolist(), base]
+    with_c, calls = _greedy(monkeypatch, "c", prompts)
+    with_sdpa, none = _greedy(monkeypatch, "sdpa", prompts)
+    assert calls and min(calls) >= pa.MIN_QUERY_LEN and none == []
+    for (ids_c, lp_c), (ids_s, lp_s) in zip(with_c, with_sdpa):
+        assert ids_c == ids_s
+        torch.testing.assert_close(torch.tensor(lp_c), torch.tensor(lp_s), rtol=0, atol=2e-3)
