@@ -7,7 +7,7 @@ attention with register-blocked products and the keys transposed once, about twi
 (benchmarks/bench_roofline.py's kernel table).
 
 :func:`prefill_attention` returns None whenever the kernel does not apply (not float32, a head
-size that is not a multiple of 64, a short chunk, no compiler), and the caller then runs SDPA: the
+size that is not a multiple of 64, a short chunk, no compiler; bfloat16 is widened to float32), and the caller then runs SDPA: the
 two compute the same attention up to float rounding (tests/test_prefill_attention.py).
 ``MINSERVE_PREFILL_ATTENTION=sdpa`` turns the kernel off; ``=c`` (the default) uses it where it applies.
 """
@@ -26,6 +26,10 @@ from minserve.kernels.build import KernelUnavailable, load
 # small and the C kernel's per-call work (transposing every key) is not repaid.
 MIN_QUERY_LEN = 16
 CHOICES = ("c", "sdpa")
+# bfloat16 queries (a dtype="bfloat16" engine) are widened to float32 for the kernel and the output
+# rounded back: PyTorch's bf16 SDPA is no faster than its fp32 one here, and float32 sums are the
+# more accurate of the two.
+INPUT_DTYPES = (torch.float32, torch.bfloat16)
 _f32p = ctypes.POINTER(ctypes.c_float)
 _I64 = ctypes.c_int64
 
@@ -50,7 +54,7 @@ def _library() -> ctypes.CDLL | None:
 
 def applies(q: torch.Tensor, head_dim: int) -> bool:
     """Whether the kernel takes queries ``q`` [T, H, D] (dtype, device, sizes, the switch)."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and head_dim % 64 == 0
+    return (q.device.type == "cpu" and q.dtype in INPUT_DTYPES and head_dim % 64 == 0
             and q.shape[0] >= MIN_QUERY_LEN and choice() == "c" and _library() is not None)
 
 
@@ -72,4 +76,6 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     rc = _library().ms_prefill_attention(ptr(qc), ptr(kc), ptr(vc), ptr(out), _I64(T), _I64(H),
                                          _I64(Hkv), _I64(D), _I64(L - T), ctypes.c_float(scale),
                                          _I64(max(0, int(num_threads))))
-    return out if rc == 0 else None   # -1: shapes it does not take; -2: out of memory
+    if rc != 0:   # -1: shapes it does not take; -2: out of memory
+        return None
+    return out if q.dtype == torch.float32 else out.to(q.dtype)

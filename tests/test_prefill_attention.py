@@ -46,10 +46,21 @@ def test_large_scores_do_not_overflow():
     torch.testing.assert_close(out, _reference(q, k, v, 1.0), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["short", "bfloat16", "head_dim_80"])
+def test_bfloat16_inputs_are_attended_in_float32():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(48, 4, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    out = pa.prefill_attention(q, k, v, 0.125)
+    assert out.dtype == torch.bfloat16
+    expected = _reference(*(t.float() for t in (q, k, v)), 0.125).to(torch.bfloat16)
+    # Both round a float32 result once; float32 sums in another order may fall on either side of a
+    # bfloat16 rounding boundary: at most one bf16 step (2^-8 relative) apart.
+    torch.testing.assert_close(out, expected, rtol=2 ** -8, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["short", "float16", "head_dim_80"])
 def test_what_the_kernel_does_not_take_returns_none(case):
     T, D, dtype = {"short": (pa.MIN_QUERY_LEN - 1, 64, torch.float32),
-                   "bfloat16": (32, 64, torch.bfloat16), "head_dim_80": (32, 80, torch.float32)}[case]
+                   "float16": (32, 64, torch.float16), "head_dim_80": (32, 80, torch.float32)}[case]
     q, k = torch.zeros(T, 2, D, dtype=dtype), torch.zeros(T, 2, D, dtype=dtype)
     assert pa.prefill_attention(q, k, k, 1.0) is None
 
