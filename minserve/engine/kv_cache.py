@@ -14,7 +14,8 @@ A later request whose prompt starts with the same tokens, for the same model and
 block table at those blocks instead of recomputing them. Reference counts let many requests share
 a block; at zero the block goes back to the free list but keeps its contents and key, so it can be
 revived until the space is needed. Blocks that hold nothing reusable are handed out first; cached
-ones are evicted least recently used first.
+ones are evicted least recently used first, or in the order of another eviction policy
+(engine/eviction.py, ``KVCacheManager.set_eviction_policy``).
 
 What a layer's cache holds depends on ``kv_cache_dtype`` (vLLM's argument): ``"auto"`` stores K and V
 in the model dtype, a pair ``(k, v)`` of ``[num_blocks, block_size, kv_heads, head_dim]`` tensors;
@@ -38,6 +39,7 @@ from typing import Callable
 import torch
 
 from minserve.config import KV_CACHE_DTYPES, EngineConfig
+from minserve.engine.eviction import EvictionPolicy, LRUEviction
 from minserve.engine.memory import DeviceMemory, check_kv_blocks_fit, device_kv_budget_bytes
 from minserve.kernels.triton.reference import allocate_kv_int8
 from minserve.models.registry import ModelConfig
@@ -172,10 +174,12 @@ class BlockPool:
         self.block_key: list[BlockKey | None] = [None] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> block holding those tokens
-        # Free blocks with nothing reusable are used first; free cached blocks are kept in
-        # least-recently-used order (oldest first) and evicted only when the plain ones run out.
+        # Free blocks with nothing reusable are used first; free cached blocks wait in the
+        # eviction policy (least recently used by default; engine/eviction.py) and are evicted
+        # only when the plain ones run out.
         self._free_plain: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self._free_cached: EvictionPolicy = LRUEviction()
+        self._free_cached.bind(self)
         self.num_evictions = 0
         self.on_evict: Callable[[int], None] | None = None  # step observers (engine/observers.py)
 
@@ -191,7 +195,7 @@ class BlockPool:
             if self._free_plain:
                 b, _ = self._free_plain.popitem(last=False)
             else:
-                b, _ = self._free_cached.popitem(last=False)
+                b = self._free_cached.pop()
                 self._evict(b)
             self.ref_count[b] = 1
             blocks.append(b)
@@ -210,19 +214,32 @@ class BlockPool:
             self.ref_count[b] -= 1
             assert self.ref_count[b] >= 0, f"block {b} released twice"
             if self.ref_count[b] == 0:
-                (self._free_cached if self.block_hash[b] is not None else self._free_plain)[b] = None
+                if self.block_hash[b] is not None:
+                    self._free_cached.add(b)
+                else:
+                    self._free_plain[b] = None
 
     def lookup(self, h: bytes, key: BlockKey) -> int | None:
         """The cached block for hash ``h``, if its stored key really matches (no collision)."""
         b = self.cached.get(h)
         return b if b is not None and self.block_key[b] == key else None
 
-    def acquire(self, blocks: list[int]) -> None:
-        """Take a reference on cache hits, reviving blocks that sat in the free list."""
+    def acquire(self, blocks: list[int], hits: bool = False) -> None:
+        """Take a reference on blocks, reviving those that sat in the free list. ``hits``: they are
+        prefix-cache hits (not a fork's sharing), which the eviction policy hears of."""
         for b in blocks:
+            if hits:
+                self._free_cached.on_hit(b)
             if self.ref_count[b] == 0:
-                del self._free_cached[b]
+                self._free_cached.remove(b)
             self.ref_count[b] += 1
+
+    def set_eviction_policy(self, policy: EvictionPolicy) -> None:
+        """Evict by ``policy`` from now on; the blocks waiting now join it in their old order."""
+        policy.bind(self)
+        for b in list(self._free_cached):
+            policy.add(b)
+        self._free_cached = policy
 
     def register(self, b: int, h: bytes, key: BlockKey) -> None:
         """Publish a full block under its hash (first writer wins for duplicate content)."""
@@ -244,6 +261,10 @@ class KVCacheManager:
         # Step observers' fan-out (engine/observers.py StepObservers), None when there are none:
         # then a block operation builds no event.
         self.events = None
+
+    def set_eviction_policy(self, policy) -> None:
+        """Which free cached block to evict first (an engine/eviction.py EvictionPolicy)."""
+        self.pool.set_eviction_policy(policy)
 
     def observe(self, events) -> None:
         """Send block events to ``events`` (a StepObservers), or stop (None)."""
@@ -304,7 +325,7 @@ class KVCacheManager:
         revived = sum(1 for b in cached_blocks if self.pool.ref_count[b] == 0)
         if need + revived > self.pool.num_free:
             return False
-        self.pool.acquire(list(cached_blocks))  # before allocate, so hits cannot be evicted
+        self.pool.acquire(list(cached_blocks), hits=True)  # before allocate, so hits cannot be evicted
         table = self.block_tables.setdefault(request_id, [])
         table.extend(cached_blocks)
         new = self.pool.allocate(max(0, need))

@@ -249,6 +249,20 @@ class LLMEngine:
             self.kv.observe(None)
             self.runner.logits_tap = None
 
+    def set_layer_attention(self, make_op, name: str = "custom") -> None:
+        """Attention experiments (sinks, windows, sparsity): every layer attends through the op
+        ``make_op(num_heads, num_kv_heads, head_dim)`` builds, called as the torch op is
+        (attention/torch_paged.py: write the new K/V, attend, return [tokens, heads x head_dim]);
+        steps run on the PyTorch path. K/V computed this way differ from the model's own, so the
+        prefix cache keys blocks by ``name`` too: no block crosses between attentions. ``None``
+        restores the engine's attention. Only between requests (ValueError otherwise)."""
+        if self.has_unfinished_requests():
+            raise ValueError("set_layer_attention needs an engine with no unfinished requests")
+        self.runner.set_layer_attention(make_op)
+        tag = "" if make_op is None else f"/attention={name}"
+        self.kv.model_fingerprint = hashlib.sha256((self.model_fingerprint + tag).encode()).hexdigest()[:16] \
+            if tag else self.model_fingerprint
+
     # ---- one iteration ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import types
 
 import torch
 
@@ -131,6 +132,20 @@ class ModelRunner:
             b.block_size = spec.block_size
         self.backends = ([FusedCpuBackend(fused, MAX_FUSED_QUERY_LEN)] if fused is not None else []) + decode + [
             self.layer_backend]
+
+    def set_layer_attention(self, make_op) -> None:
+        """Attend through ``make_op(num_heads, num_kv_heads, head_dim)`` in every layer (the
+        per-layer op's contract: attention/backend.py ``layer_attention``), on the PyTorch path
+        only: the fused C step and the Triton decode kernel compute their own attention, so they
+        are set aside. ``None`` puts the engine's own attention and backends back."""
+        if not hasattr(self, "_own_backends"):
+            self._own_backends = list(self.backends)
+        if make_op is None:
+            self.model.use_attention(self.decode_backend or self.layer_backend)
+            self.backends = list(self._own_backends)
+            return
+        self.model.use_attention(types.SimpleNamespace(layer_attention=make_op))
+        self.backends = [self.layer_backend]
 
     @property
     def fused(self):
