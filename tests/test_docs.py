@@ -254,3 +254,14 @@ def test_the_readme_links_open_on_github():
             broken.append(f"{target} (no such heading)")
     assert not broken, broken
     assert len(readme.read_text(encoding="utf-8").splitlines()) <= 200, "the README is a front page"
+
+
+def test_doctest_lines_become_code_blocks_in_the_reference():
+    sys.path.insert(0, str(ROOT / "docs" / "_hooks"))
+    try:
+        from doctest_blocks import fence_doctests
+    finally:
+        sys.path.remove(str(ROOT / "docs" / "_hooks"))
+    text = "Load it.\n\n    >>> llm = LLM('x')   # doctest: +SKIP\n    >>> for o in out:\n    ...     print(o)\nDone."
+    assert fence_doctests(text) == ("Load it.\n\n    ```python\n    llm = LLM('x')\n    for o in out:\n"
+                                    "        print(o)\n    ```\nDone.")
