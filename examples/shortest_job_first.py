@@ -74,16 +74,17 @@ def main(quick: bool = False) -> dict:
     engine_tok = LLMEngine.from_engine_args("tiny-llama", num_kv_blocks=8).tokenizer
     requests = make_requests(engine_tok, IN_TOKENS, lengths, seed=7)
     short = [r.request_id for r in requests if r.expected_output_len == OUT_TOKENS]
+    long = [r.request_id for r in requests if r.expected_output_len != OUT_TOKENS]
     minserve.register_scheduling_policy("sjf", ShortestJobFirst)
     results = {}
     for policy in ("fcfs", "sjf"):
         run = serve(policy, requests)
         every = [r.request_id for r in requests]
         results[policy] = {f"{m}_{who}": summary(run[m], ids) for m in ("ttft", "e2e")
-                           for who, ids in (("all", every), ("short", short))}
+                           for who, ids in (("all", every), ("short", short), ("long", long))}
     print(f"{n} requests at once ({len(short)} of {OUT_TOKENS} tokens, {n - len(short)} of {OUT_TOKENS * 8}), "
           f"{SEATS} seats")
-    for metric in ("ttft_all", "e2e_all", "e2e_short"):
+    for metric in ("ttft_all", "e2e_all", "e2e_short", "e2e_long"):
         for policy, r in results.items():
             s = r[metric]
             print(f"{metric:9s} {policy:4s}  mean {s['mean_steps']:5.1f} steps ({s['mean_s'] * 1000:6.0f} ms)  "

@@ -1,4 +1,10 @@
-"""minserve: a compact LLM serving engine for learning inference optimization (vLLM's API)."""
+"""minserve: a compact LLM serving engine for learning inference optimization (vLLM's API).
+
+Extension points for side experiments (docs/extending.md): :class:`LogitsProcessor` (vLLM v1's
+batch-level logits processors, with :class:`BatchUpdate`), :func:`register_scheduling_policy` and
+:class:`SchedulingPolicy`, :data:`ModelRegistry` (``register_model``, ``get_supported_archs``),
+and :class:`StepObserver` (``LLMEngine.add_step_observer``; :class:`LogitsRecorder`).
+"""
 
 import logging as _logging
 import os as _os
