@@ -18,11 +18,13 @@
  *
  * Layout contracts (checked on the Python side, kernels/decode.py):
  * - each weight matrix is [out_features, in_features], q/k/v and gate/up fused as in llama.py, in
- *   its own format (a Weight): row-major fp32, or int8 / int4 in minserve/quant/formats.py's
+ *   its own format (a Weight): row-major fp32 or bf16 (a dtype="bfloat16" model: widened in
+ *   registers, exactly, so the step computes in fp32), or int8 / int4 in minserve/quant/formats.py's
  *   layouts, multiplied with the dequantization in the weight stream (quant_dot.h, shared with
  *   quant.c). Fewer bytes per weight is the whole point at batch 1: the step is a weight stream;
  * - the KV cache of a layer is [num_blocks, block_size, kv_heads, head_dim], addressed through
- *   one block table per query row (int64, [rows, table_stride]): float32, or (KV_INT8) int8 codes
+ *   one block table per query row (int64, [rows, table_stride]): float32, bfloat16 (rounded to
+ *   nearest even on write, as the torch path's .to(bfloat16)), or (KV_INT8) int8 codes
  *   plus a float32 scale per (slot, kv head), quantized on write as the torch reference does;
  * - RoPE uses the model's tables cos and sin_signed [max_positions, head_dim] (half-split layout,
  *   the sign of rotate_half folded into the sin table).
@@ -51,12 +53,13 @@
 
 /* How a matrix is stored: the Python side sets format from the layer's descriptor and checks every
  * tensor's dtype and shape against it, so the kernel never reads a buffer as another type. */
-enum { WEIGHT_F32 = 0, WEIGHT_INT8 = 1, WEIGHT_INT4 = 2 };
-enum { KV_F32 = 0, KV_INT8 = 1 };
+enum { WEIGHT_F32 = 0, WEIGHT_INT8 = 1, WEIGHT_INT4 = 2, WEIGHT_BF16 = 3 };
+enum { KV_F32 = 0, KV_INT8 = 1, KV_BF16 = 2 };
 
 typedef struct {             /* one weight matrix [out, in], as its descriptor describes it */
     int64_t format;          /* WEIGHT_* */
-    const void *data;        /* f32 [out, in] | int8 codes [out, in] | uint8 packed [out, in / 2] */
+    const void *data;        /* f32 [out, in] | int8 codes [out, in] | uint8 packed [out, in / 2]
+                                | bf16 (uint16) [out, in] */
     const float *scales;     /* int8: [out]; int4: [out, in / group_size]; f32: NULL */
     const float *mins;       /* int4: [out, in / group_size] (w = q * scale + min); else NULL */
     const float *bias;       /* [out] or NULL */
@@ -74,8 +77,10 @@ typedef struct {
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab, block_size;
     int64_t kv_format;           /* KV_*, the same for every layer */
+    int64_t embed_bf16;          /* embed is bfloat16 (uint16) [vocab, hidden], not float32 */
     float eps, scale;
-    const float *embed, *final_norm, *cos, *sin_signed;
+    const void *embed;
+    const float *final_norm, *cos, *sin_signed;
     Weight lm_head;
     const LayerPtrs *layers;
 } ModelPtrs;
@@ -122,10 +127,19 @@ void ms_step_profile(int mode, double *out) {
 
 /* y[b, r + k] (+)= W[r + k, :] . x[b, :] for rb weight rows and nb <= DENSE_BATCH_PASS inputs
  * (both compile-time constants at every call, so the accumulators live in registers). */
+static inline __attribute__((always_inline)) vf16 weights16(const void *w, int64_t i, const int bf16) {
+    return bf16 ? bf16x16_to_float((const uint16_t *)w + i) : *(const vf16 *)((const float *)w + i);
+}
+
+static inline __attribute__((always_inline)) float weight1(const void *w, int64_t i, const int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
 static inline __attribute__((always_inline)) void
-dot_block(const float *restrict W, int64_t in, int64_t r, const float *restrict x, int64_t ldx,
-          float *restrict y, int64_t ldy, const int rb, const int nb, int accumulate) {
-    const float *w = W + r * in;
+dot_block(const void *restrict W, int64_t in, int64_t r, const float *restrict x, int64_t ldx,
+          float *restrict y, int64_t ldy, const int rb, const int nb, int accumulate, const int bf16) {
+    const int elt = bf16 ? 2 : 4;   /* bytes per weight */
+    const char *w = (const char *)W + r * in * elt;
     vf16 acc[DENSE_ROW_BLOCK][DENSE_BATCH_PASS];
     for (int k = 0; k < rb; k++)
         for (int b = 0; b < nb; b++) acc[k][b] = (vf16){0};
@@ -133,8 +147,8 @@ dot_block(const float *restrict W, int64_t in, int64_t r, const float *restrict 
     for (; i + 16 <= in; i += 16) {
         vf16 wv[DENSE_ROW_BLOCK];
         for (int k = 0; k < rb; k++) {
-            __builtin_prefetch(w + k * in + i + PREFETCH_FLOATS);
-            wv[k] = *(const vf16 *)(w + k * in + i);
+            __builtin_prefetch(w + (k * in + i + PREFETCH_FLOATS) * elt);
+            wv[k] = weights16(w, k * in + i, bf16);
         }
         for (int b = 0; b < nb; b++) {
             vf16 xv = *(const vf16 *)(x + b * ldx + i);
@@ -144,7 +158,7 @@ dot_block(const float *restrict W, int64_t in, int64_t r, const float *restrict 
     for (int k = 0; k < rb; k++)
         for (int b = 0; b < nb; b++) {
             float s = hsum(acc[k][b]);
-            for (int64_t j = i; j < in; j++) s += w[k * in + j] * x[b * ldx + j];
+            for (int64_t j = i; j < in; j++) s += weight1(w, k * in + j, bf16) * x[b * ldx + j];
             if (accumulate) y[b * ldy + r + k] += s; else y[b * ldy + r + k] = s;
         }
 }
@@ -161,20 +175,21 @@ dot_block(const float *restrict W, int64_t in, int64_t r, const float *restrict 
  * weights reused from L1; 25 % slower: 16 rows of inputs do not fit in L1), and one transposing
  * reduction of four accumulators instead of four hsum calls (no change). */
 static inline __attribute__((always_inline)) void
-dot_rows(const float *restrict W, int64_t in, int64_t r0, int64_t r1, const float *restrict x,
-         int64_t ldx, float *restrict y, int64_t ldy, const int nb, int accumulate) {
+dot_rows(const void *restrict W, int64_t in, int64_t r0, int64_t r1, const float *restrict x,
+         int64_t ldx, float *restrict y, int64_t ldy, const int nb, int accumulate, const int bf16) {
     const int rb = nb > 1 ? DENSE_ROW_BLOCK : 1;
     int64_t r = r0;
-    for (; r + rb <= r1; r += rb) dot_block(W, in, r, x, ldx, y, ldy, rb, nb, accumulate);
-    for (; r < r1; r++) dot_block(W, in, r, x, ldx, y, ldy, 1, nb, accumulate);
+    for (; r + rb <= r1; r += rb) dot_block(W, in, r, x, ldx, y, ldy, rb, nb, accumulate, bf16);
+    for (; r < r1; r++) dot_block(W, in, r, x, ldx, y, ldy, 1, nb, accumulate, bf16);
 }
 
 /* y[B, out] = x[B, in] @ W.T (+ bias), or y += that when accumulate (the residual add for free),
- * for a float32 W. Threads split the output rows; a row tile is re-read from cache for every group
+ * for a float32 W, or a bfloat16 one (bf16: widened in registers as it streams in, half the bytes;
+ * the sums stay float32). Threads split the output rows; a row tile is re-read from cache for every group
  * of DENSE_BATCH_PASS inputs, so DRAM sees each weight once per step whatever the batch. Returns
  * the team size. */
-static int64_t dense_matmul(const float *W, const float *bias, const float *x, float *y, int64_t B,
-                            int64_t in, int64_t out, int accumulate, int nthreads) {
+static int64_t dense_matmul(const void *W, const float *bias, const float *x, float *y, int64_t B,
+                            int64_t in, int64_t out, int accumulate, int bf16, int nthreads) {
     int64_t tiles = (out + ROW_TILE - 1) / ROW_TILE, team = 1;
     #pragma omp parallel num_threads(nthreads)
     {
@@ -187,14 +202,16 @@ static int64_t dense_matmul(const float *W, const float *bias, const float *x, f
                 int64_t nb = B - b < DENSE_BATCH_PASS ? B - b : DENSE_BATCH_PASS;
                 const float *xb = x + b * in;
                 float *yb = y + b * out;
-                switch (nb) {   /* a constant nb per case: the loops unroll into registers */
-#define CASE(n) case n: dot_rows(W, in, r0, r1, xb, in, yb, out, n, accumulate); break;
+                /* a constant nb and format per case: the loops unroll into registers */
+#define CASE(n) case n: if (bf16) dot_rows(W, in, r0, r1, xb, in, yb, out, n, accumulate, 1); \
+                        else dot_rows(W, in, r0, r1, xb, in, yb, out, n, accumulate, 0); break;
+                switch (nb) {
                 CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
 #if DENSE_BATCH_PASS > 6
                 CASE(7) CASE(8)
 #endif
-#undef CASE
                 }
+#undef CASE
                 if (bias)   /* after the dot products: a residual row gets its bias too */
                     for (int64_t k = 0; k < nb; k++)
                         for (int64_t r = r0; r < r1; r++) yb[k * out + r] += bias[r];
@@ -207,7 +224,7 @@ static int64_t dense_matmul(const float *W, const float *bias, const float *x, f
 /* ms_matmul with the caller's OpenMP default team (PyTorch's thread count). Exported for the tests. */
 void ms_matmul(const float *W, const float *bias, const float *x, float *y, int64_t B, int64_t in,
                int64_t out, int accumulate) {
-    dense_matmul(W, bias, x, y, B, in, out, accumulate, omp_get_max_threads());
+    dense_matmul(W, bias, x, y, B, in, out, accumulate, 0, omp_get_max_threads());
 }
 
 /* The same product for a weight in any format. Quantized ones go through quant_dot.h's loops, which
@@ -218,8 +235,9 @@ void ms_matmul(const float *W, const float *bias, const float *x, float *y, int6
  * and int8 activations their codes and scales. */
 static int64_t matmul(const Weight *w, const float *x, float *xs, float *y, int64_t B, int64_t in,
                       int64_t out, int accumulate, int nthreads) {
-    if (w->format == WEIGHT_F32)
-        return dense_matmul(w->data, w->bias, x, y, B, in, out, accumulate, nthreads);
+    if (w->format == WEIGHT_F32 || w->format == WEIGHT_BF16)
+        return dense_matmul(w->data, w->bias, x, y, B, in, out, accumulate,
+                            w->format == WEIGHT_BF16, nthreads);
     QWeight q = {w->format == WEIGHT_INT8 ? 8 : 4, w->data, w->scales, w->mins, w->bias,
                  w->group_size, in, out};
     if (w->act_int8)
@@ -242,9 +260,9 @@ int64_t ms_weight_matmul(const Weight *w, const float *x, float *xs, float *y, i
  * validates every tensor first). A wrong group would make int4_rows read past the scales. */
 static int weight_ok(const Weight *w, int64_t in) {
     if (!w->data) return 0;
-    if (w->act_int8 && (w->format == WEIGHT_F32 || in % A8_BLOCK)) return 0;
+    if (w->act_int8 && (w->format == WEIGHT_F32 || w->format == WEIGHT_BF16 || in % A8_BLOCK)) return 0;
     switch (w->format) {
-    case WEIGHT_F32: return 1;
+    case WEIGHT_F32: case WEIGHT_BF16: return 1;
     case WEIGHT_INT8: return w->scales != NULL;
     case WEIGHT_INT4:
         return w->scales && w->mins && in % 32 == 0 && in % w->group_size == 0
@@ -255,7 +273,7 @@ static int weight_ok(const Weight *w, int64_t in) {
 
 static int model_ok(const ModelPtrs *m) {
     int64_t E = m->hidden, HD = m->num_heads * m->head_dim, I = m->intermediate;
-    if (m->kv_format != KV_F32 && m->kv_format != KV_INT8) return 0;
+    if (m->kv_format != KV_F32 && m->kv_format != KV_INT8 && m->kv_format != KV_BF16) return 0;
     if (!weight_ok(&m->lm_head, E)) return 0;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const LayerPtrs *L = &m->layers[l];
@@ -333,7 +351,13 @@ int64_t ms_decode_step(const ModelPtrs *m, const Scratch *s, int64_t B, const in
     int nt = nthreads > 0 ? (int)nthreads : omp_get_max_threads();
     if (!model_ok(m)) return -1;
     double step_start = clock_now(), t;
-    for (int64_t b = 0; b < B; b++) memcpy(s->h + b * E, m->embed + token_ids[b] * E, E * sizeof(float));
+    for (int64_t b = 0; b < B; b++) {
+        if (m->embed_bf16)
+            for (int64_t e = 0; e < E; e++)
+                s->h[b * E + e] = bf16_to_float(((const uint16_t *)m->embed)[token_ids[b] * E + e]);
+        else
+            memcpy(s->h + b * E, (const float *)m->embed + token_ids[b] * E, E * sizeof(float));
+    }
     for (int64_t l = 0; l < m->num_layers; l++) {
         const LayerPtrs *L = &m->layers[l];
         ms_rms_norm(s->h, L->input_norm, s->x, B, E, m->eps);

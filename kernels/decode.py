@@ -37,15 +37,17 @@ _f32p = ctypes.POINTER(ctypes.c_float)
 _i64p = ctypes.POINTER(ctypes.c_int64)
 _i8p = ctypes.POINTER(ctypes.c_int8)
 _u8p = ctypes.POINTER(ctypes.c_uint8)
+_bf16p = ctypes.POINTER(ctypes.c_uint16)   # bfloat16 as its bits
 _I64 = ctypes.c_int64
-_DTYPES = {_f32p: torch.float32, _i64p: torch.int64, _i8p: torch.int8, _u8p: torch.uint8}
-_KERNEL = ("the fused decode kernel implements dense float32, int8 (one scale per output row) and "
-           "int4 (groups of 32, 64 or 128) only")
+_DTYPES = {_f32p: torch.float32, _i64p: torch.int64, _i8p: torch.int8, _u8p: torch.uint8,
+           _bf16p: torch.bfloat16}
+_KERNEL = ("the fused decode kernel implements dense float32 or bfloat16, int8 (one scale per "
+           "output row) and int4 (groups of 32, 64 or 128) only")
 INT4_GROUP_SIZES = (32, 64, 128)   # the int4 group sizes decode.c compiles a loop for
 A8_BLOCK = 32                      # quant_a8.h: input columns per int8 activation scale
 # decode.c's enums: a matrix's format, and the KV cache's.
-WEIGHT_F32, WEIGHT_INT8, WEIGHT_INT4 = 0, 1, 2
-KV_F32, KV_INT8 = 0, 1
+WEIGHT_F32, WEIGHT_INT8, WEIGHT_INT4, WEIGHT_BF16 = 0, 1, 2, 3
+KV_F32, KV_INT8, KV_BF16 = 0, 1, 2
 STEP_PARTS = ("weights", "lm_head", "attention", "step")   # decode.c's PART_*, in order
 _PROFILE_CLOCKS = {None: 0, "wall": 1, "cpu": 2}             # decode.c's PROFILE_*
 
@@ -64,9 +66,9 @@ class _LayerPtrs(ctypes.Structure):
 
 class _ModelPtrs(ctypes.Structure):
     _fields_ = ([(n, _I64) for n in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim",
-                                    "intermediate", "vocab", "block_size", "kv_format")]
-                + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-                + [(n, _f32p) for n in ("embed", "final_norm", "cos", "sin_signed")]
+                                    "intermediate", "vocab", "block_size", "kv_format", "embed_bf16")]
+                + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("embed", ctypes.c_void_p)]
+                + [(n, _f32p) for n in ("final_norm", "cos", "sin_signed")]
                 + [("lm_head", _Weight), ("layers", ctypes.POINTER(_LayerPtrs))])
 
 
@@ -128,11 +130,21 @@ def _f32(name: str, t: torch.Tensor | None, shape: tuple) -> torch.Tensor:
     return _tensor(name, t, torch.float32, shape)
 
 
+def _f32_of(name: str, t: torch.Tensor | None, shape: tuple) -> torch.Tensor:
+    """A small vector (a norm's weight, a bias) as float32: a bfloat16 model's is widened into a
+    copy the decoder keeps (exact). The step computes in float32 whatever the weights' format."""
+    if t is not None and t.dtype == torch.bfloat16:
+        t = _tensor(name, t, torch.bfloat16, shape).float()
+    return _f32(name, t, shape)
+
+
 def _dense(name: str, d, out: int, inp: int):
-    if d.dtype != torch.float32:
+    if d.dtype not in (torch.float32, torch.bfloat16):
         raise KernelUnavailable(f"{name}: {d.describe()}; {_KERNEL}")
     if d.scales is not None or d.zero_points is not None:
         raise KernelUnavailable(f"{name}: a dense descriptor with scales or zero points; {_KERNEL}")
+    if d.dtype == torch.bfloat16:
+        return WEIGHT_BF16, (_tensor(f"{name}.weight", d.data, torch.bfloat16, (out, inp)), _bf16p), None, None, 0
     return WEIGHT_F32, (_f32(f"{name}.weight", d.data, (out, inp)), _f32p), None, None, 0
 
 
@@ -170,10 +182,10 @@ def _weight(name: str, module, out: int, inp: int, bias_ok: bool = False):
         raise KernelUnavailable(f"{name}: {d.describe()}, the model config implies [{out} x {inp}]")
     if d.bias is not None and not bias_ok:  # the kernel adds a bias only after q/k/v
         raise KernelUnavailable(f"{name} has a bias, which the fused decode kernel does not apply")
-    bias = None if d.bias is None else _f32(f"{name}.bias", d.bias, (out,))
+    bias = None if d.bias is None else _f32_of(f"{name}.bias", d.bias, (out,))
     fmt, (data, kind), scales, mins, group = _FORMATS[d.format](name, d, out, inp)
     act_int8 = d.activations == "int8"
-    if act_int8 and (fmt == WEIGHT_F32 or inp % A8_BLOCK):
+    if act_int8 and (fmt in (WEIGHT_F32, WEIGHT_BF16) or inp % A8_BLOCK):
         raise KernelUnavailable(f"{name}: {d.describe()}: int8 activations need a quantized matrix "
                                 f"whose in_features divide into blocks of {A8_BLOCK}")
     w = _Weight(fmt, _void(data, kind), _ptr(scales), _ptr(mins), _ptr(bias), group, act_int8)
@@ -181,28 +193,33 @@ def _weight(name: str, module, out: int, inp: int, bias_ok: bool = False):
 
 
 def _kv_layout(kv_caches, cfg) -> tuple[int, tuple[int, int, int, int]]:
-    """(KV_F32 or KV_INT8, the cache shape) from layer 0; every layer is then checked against it."""
+    """(KV_F32, KV_BF16 or KV_INT8, the cache shape) from layer 0; every layer is then checked
+    against it."""
     if len(kv_caches) != cfg.num_layers:
         raise KernelUnavailable(f"{len(kv_caches)} KV caches for {cfg.num_layers} layers")
     n = len(kv_caches[0])
     if n not in (2, 4):
         raise KernelUnavailable(f"kv_caches[0] holds {n} tensors; the fused decode kernel reads "
-                                "(key, value) float32 or (key, value, key_scales, value_scales) int8")
+                                "(key, value) float32 or bfloat16, or (key, value, key_scales, "
+                                "value_scales) int8")
     k0 = kv_caches[0][0]
     if k0.dim() != 4:
         raise KernelUnavailable(f"kv_caches[0].key has shape {list(k0.shape)}, expected "
                                 "[blocks, block_size, kv_heads, head_dim]")
-    return (KV_INT8 if n == 4 else KV_F32), (k0.shape[0], k0.shape[1], cfg.num_kv_heads, cfg.head_dim)
+    fmt = KV_INT8 if n == 4 else KV_BF16 if k0.dtype == torch.bfloat16 else KV_F32
+    return fmt, (k0.shape[0], k0.shape[1], cfg.num_kv_heads, cfg.head_dim)
 
 
 def _bind_kv(i: int, kv, kv_format: int, shape) -> list[torch.Tensor]:
-    """Layer i's [key, value] (float32) or [key codes, value codes, key scales, value scales]."""
+    """Layer i's [key, value] (float32 or bfloat16) or [key codes, value codes, key scales,
+    value scales]."""
     names = [f"kv_caches[{i}].{n}" for n in ("key", "value", "key_scales", "value_scales")]
     if len(kv) != (4 if kv_format == KV_INT8 else 2):
         raise KernelUnavailable(f"kv_caches[{i}] holds {len(kv)} tensors, kv_caches[0] "
                                 f"{4 if kv_format == KV_INT8 else 2}: every layer needs the same layout")
-    if kv_format == KV_F32:
-        return [_f32(names[0], kv[0], shape), _f32(names[1], kv[1], shape)]
+    if kv_format in (KV_F32, KV_BF16):
+        dtype = torch.float32 if kv_format == KV_F32 else torch.bfloat16
+        return [_tensor(names[0], kv[0], dtype, shape), _tensor(names[1], kv[1], dtype, shape)]
     return ([_tensor(n, t, torch.int8, shape) for n, t in zip(names, kv[:2])]
             + [_f32(n, t, shape[:3]) for n, t in zip(names[2:], kv[2:])])
 
@@ -215,11 +232,11 @@ def _bind_layer(i: int, layer, kv, cfg, kv_layout) -> tuple[_LayerPtrs, list[tor
                "o_proj": _weight(p + "self_attn.o_proj", attn.o_proj, E, H * D),
                "gate_up": _weight(p + "mlp.gate_up_proj", mlp.gate_up_proj, 2 * I, E),
                "down": _weight(p + "mlp.down_proj", mlp.down_proj, E, I)}
-    norms = [_f32(p + "input_layernorm.weight", layer.input_layernorm.weight, (E,)),
-             _f32(p + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight, (E,))]
+    norms = [_f32_of(p + "input_layernorm.weight", layer.input_layernorm.weight, (E,)),
+             _f32_of(p + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight, (E,))]
     kv_format, shape = kv_layout
     cache = _bind_kv(i, kv, kv_format, shape)
-    codes = _i8p if kv_format == KV_INT8 else _f32p
+    codes = {KV_INT8: _i8p, KV_BF16: _bf16p}.get(kv_format, _f32p)
     scales = [_ptr(t) for t in cache[2:]] or [_f32p(), _f32p()]
     ptrs = _LayerPtrs(_ptr(norms[0]), _ptr(norms[1]), *[w for w, _ in weights.values()],
                       _void(cache[0], codes), _void(cache[1], codes), *scales)
@@ -231,11 +248,16 @@ def _bind(model, kv_caches) -> tuple[_ModelPtrs, object, list]:
     with the reason (naming the module) when the model or cache is not what the kernel implements."""
     cfg = model.config
     E, D, V = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
-    embed = _f32("embed_tokens.weight", model.embed_tokens.weight, (V, E))
+    w = model.embed_tokens.weight
+    if w is not None and w.dtype not in (torch.float32, torch.bfloat16):
+        raise KernelUnavailable(f"embed_tokens.weight: {str(w.dtype).removeprefix('torch.')} "
+                                f"{list(w.shape)}, the fused decode kernel reads float32 or bfloat16")
+    embed_bf16 = w is not None and w.dtype == torch.bfloat16
+    embed = _tensor("embed_tokens.weight", w, torch.bfloat16 if embed_bf16 else torch.float32, (V, E))
     if D % 2 or D > 1024:  # rope() rotates half-split pairs in a 1024-float stack buffer
         raise KernelUnavailable(f"head_dim {D} is odd or > 1024")
     lm_head, head_tensors = _weight("lm_head", model.lm_head, V, E)
-    final_norm = _f32("norm.weight", model.norm.weight, (E,))
+    final_norm = _f32_of("norm.weight", model.norm.weight, (E,))
     cos = _f32("rotary.cos", model.rotary.cos, (None, D))
     sin = _f32("rotary.sin_signed", model.rotary.sin_signed, tuple(cos.shape))
     kv_layout = _kv_layout(kv_caches, cfg)
@@ -246,8 +268,8 @@ def _bind(model, kv_caches) -> tuple[_ModelPtrs, object, list]:
         keep += bound
     array = (_LayerPtrs * cfg.num_layers)(*layers)
     ptrs = _ModelPtrs(cfg.num_layers, E, cfg.num_heads, cfg.num_kv_heads, D, cfg.intermediate_size,
-                      V, kv_layout[1][1], kv_layout[0], cfg.rms_norm_eps, D ** -0.5, _ptr(embed),
-                      _ptr(final_norm), _ptr(cos), _ptr(sin), lm_head, array)
+                      V, kv_layout[1][1], kv_layout[0], int(embed_bf16), cfg.rms_norm_eps, D ** -0.5,
+                      _void(embed, _bf16p if embed_bf16 else _f32p), _ptr(final_norm), _ptr(cos), _ptr(sin), lm_head, array)
     return ptrs, array, keep
 
 

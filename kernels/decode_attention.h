@@ -39,6 +39,26 @@ static inline void axpy_i8(float a, const int8_t *codes, float *y, int64_t n) { 
     for (; i < n; i++) y[i] += a * (float)codes[i];
 }
 
+/* The bfloat16 KV cache (a dtype="bfloat16" engine): the same loops, each element widened. */
+static inline float dot_bf16(const float *q, const uint16_t *k, int64_t n) {
+    vf16 acc = (vf16){0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc += bf16x16_to_float(k + i) * *(const vf16 *)(q + i);
+    float s = hsum(acc);
+    for (; i < n; i++) s += bf16_to_float(k[i]) * q[i];
+    return s;
+}
+
+static inline void axpy_bf16(float a, const uint16_t *x, float *y, int64_t n) {   /* y += a x */
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) *(vf16 *)(y + i) += a * bf16x16_to_float(x + i);
+    for (; i < n; i++) y[i] += a * bf16_to_float(x[i]);
+}
+
+static void store_bf16(const float *x, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = float_to_bf16(x[i]);
+}
+
 /* Quantize n vectors of D floats on write, bit for bit as kernels/triton/reference.py's
  * quantize_kv_int8 (the torch path's writer): scale = max|x| / 127 in float32 (0 for an all-zero
  * vector), code = x / max(scale, 1e-30) rounded half to even (rintf in the default rounding mode,
@@ -64,6 +84,9 @@ static void write_kv(const ModelPtrs *m, const LayerPtrs *L, int64_t slot, const
     if (m->kv_format == KV_INT8) {
         ms_quantize_kv_int8(k, Hkv, D, (int8_t *)L->k_cache + slot * Hkv * D, L->k_scales + slot * Hkv);
         ms_quantize_kv_int8(v, Hkv, D, (int8_t *)L->v_cache + slot * Hkv * D, L->v_scales + slot * Hkv);
+    } else if (m->kv_format == KV_BF16) {
+        store_bf16(k, Hkv * D, (uint16_t *)L->k_cache + slot * Hkv * D);
+        store_bf16(v, Hkv * D, (uint16_t *)L->v_cache + slot * Hkv * D);
     } else {
         memcpy((float *)L->k_cache + slot * Hkv * D, k, Hkv * D * sizeof(float));
         memcpy((float *)L->v_cache + slot * Hkv * D, v, Hkv * D * sizeof(float));
@@ -77,7 +100,7 @@ static void write_kv(const ModelPtrs *m, const LayerPtrs *L, int64_t slot, const
 #define KV_PREFETCH_KEYS 8
 
 static inline void prefetch_kv(const ModelPtrs *m, const LayerPtrs *L, int64_t e) {
-    int64_t bytes = m->head_dim * (m->kv_format == KV_INT8 ? 1 : (int64_t)sizeof(float));
+    int64_t bytes = m->head_dim * (m->kv_format == KV_INT8 ? 1 : m->kv_format == KV_BF16 ? 2 : 4);
     for (int64_t off = 0; off < bytes; off += 64) {   /* every cache line of entry e's K and V */
         __builtin_prefetch((const char *)L->k_cache + e * bytes + off);
         __builtin_prefetch((const char *)L->v_cache + e * bytes + off);
@@ -97,7 +120,7 @@ static inline void prefetch_kv(const ModelPtrs *m, const LayerPtrs *L, int64_t e
 static void attend(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t *table,
                    int64_t n_ctx, int64_t kv_head, float *scores, float *out) {
     int64_t bs = m->block_size, Hkv = m->num_kv_heads, D = m->head_dim;
-    int kv_int8 = m->kv_format == KV_INT8;
+    int kv_int8 = m->kv_format == KV_INT8, kv_bf16 = m->kv_format == KV_BF16;
     float mx = -INFINITY;
     /* Key t lives in block table[t / bs] at offset t % bs: walked with counters (block, offset),
      * not divided out per key (a 64-bit division costs more than the key's dot product). */
@@ -107,6 +130,7 @@ static void attend(const ModelPtrs *m, const LayerPtrs *L, const float *q, const
         if (t + KV_PREFETCH_KEYS < n_ctx)
             prefetch_kv(m, L, (table[pblk] * bs + poff) * Hkv + kv_head);
         float s = kv_int8 ? dot_i8(q, (const int8_t *)L->k_cache + e * D, D) * L->k_scales[e]
+                : kv_bf16 ? dot_bf16(q, (const uint16_t *)L->k_cache + e * D, D)
                           : dot(q, (const float *)L->k_cache + e * D, D);
         scores[t] = s * m->scale;
         mx = scores[t] > mx ? scores[t] : mx;
@@ -120,6 +144,8 @@ static void attend(const ModelPtrs *m, const LayerPtrs *L, const float *q, const
         int64_t e = (table[blk] * bs + off) * Hkv + kv_head;
         if (kv_int8)
             axpy_i8(scores[t] * L->v_scales[e], (const int8_t *)L->v_cache + e * D, out, D);
+        else if (kv_bf16)
+            axpy_bf16(scores[t], (const uint16_t *)L->v_cache + e * D, out, D);
         else
             axpy(scores[t], (const float *)L->v_cache + e * D, out, D);
         if (++off == bs) off = 0, blk++;

@@ -1,6 +1,5 @@
 /* Vector math on 16 floats shared by the C kernels (decode.c, prefill_attention.c): exp, which
- * softmax and SiLU need many of, and the two helpers it is built from. Include after quant_dot.h
- * (vf16). */
+ * softmax and SiLU need many of, and the two helpers it is built from; bfloat16 <-> float32. */
 #ifndef MINSERVE_VMATH_H
 #define MINSERVE_VMATH_H
 #include "quant_dot.h"
@@ -37,4 +36,24 @@ static inline vf16 vexp(vf16 x) {
     return p * (vf16)((n + 127) << 23);      /* 2^n built from its exponent bits */
 }
 
+/* bfloat16 is the top half of a float32: widening is a shift, exact. */
+typedef uint16_t vu16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t vu32x16 __attribute__((vector_size(64)));
+
+static inline vf16 bf16x16_to_float(const uint16_t *p) {
+    return (vf16)(__builtin_convertvector(*(const vu16x16 *)p, vu32x16) << 16);
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+
+/* float32 -> bfloat16 rounded to nearest, ties to even, as PyTorch's .to(torch.bfloat16); a NaN
+ * stays a (quiet) NaN instead of rounding into infinity. */
+static inline uint16_t float_to_bf16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
 #endif

@@ -184,8 +184,8 @@ def _replaced(runner, path: str, make) -> str:
         scales=torch.ones(d.out_features, dtype=torch.float64)),
      r"layers\.1\.mlp\.down_proj\.scales: float64 \[\d+\], the fused decode kernel reads it as float32"),
     ("layers.0.self_attn.qkv_proj", lambda d: WeightDescriptor(
-        "dense", d.in_features, d.out_features, d.data.bfloat16()),
-        r"layers\.0\.self_attn\.qkv_proj: dense bfloat16 .*implements dense float32, int8 .* only"),
+        "dense", d.in_features, d.out_features, d.data.half()),
+        r"layers\.0\.self_attn\.qkv_proj: dense float16 .*implements dense float32 or bfloat16, int8 .* only"),
     ("lm_head", lambda d: WeightDescriptor("int4", d.in_features, d.out_features,
                                            torch.zeros(1, dtype=torch.uint8), group_size=32),
      r"lm_head\.codes has shape \[1\], the model config implies"),
@@ -211,10 +211,13 @@ def test_kv_caches_and_modules_without_descriptors_are_refused(tmp_path):
     runner = _runner(tmp_path, blocks=8)
     model, kv = runner.model, runner.kv_caches
     assert unsupported_reason(model, kv) is None
-    half = [(k.bfloat16(), v.bfloat16()) for k, v in kv]
-    assert unsupported_reason(model, half).startswith("kv_caches[0].key: bfloat16")
-    with pytest.raises(KernelUnavailable, match=r"kv_caches\[0\]\.key: bfloat16.*float32"):
+    half = [(k.half(), v.half()) for k, v in kv]
+    assert unsupported_reason(model, half).startswith("kv_caches[0].key: float16")
+    with pytest.raises(KernelUnavailable, match=r"kv_caches\[0\]\.key: float16.*float32"):
         FusedDecoder(model, half, max_rows=4)
+    mixed = [(k, v.bfloat16()) for k, v in kv]   # one format per cache: the key's decides
+    with pytest.raises(KernelUnavailable, match=r"kv_caches\[0\]\.value: bfloat16.*float32"):
+        FusedDecoder(model, mixed, max_rows=4)
     narrow = [(k[..., :-2].contiguous(), v[..., :-2].contiguous()) for k, v in kv]
     assert "kv_caches[0].key has shape" in unsupported_reason(model, narrow)
     assert "KV caches for" in unsupported_reason(model, kv[:-1])
