@@ -4,6 +4,7 @@ every code block of README.md and docs/*.md runs as written, or, where it would 
 long-running, is checked the cheap way its marker names (tests/doc_blocks.py says how).
 ``make test`` runs this; ``make docs-build`` is the same build by hand."""
 
+import functools
 import json
 import os
 import re
@@ -141,10 +142,15 @@ def test_python_block(block: Block, python_results):
     assert result["ok"], f"{block.where} failed:\n{result['stdout'][-2000:]}\n{result['error']}"
 
 
-def _help(words: list[str]) -> str:
+@functools.lru_cache(maxsize=None)   # `minserve serve --help` is asked by several blocks
+def _help_text(words: tuple[str, ...]) -> str:
     done = subprocess.run([*words, "--help"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{' '.join(words)} --help failed: {done.stderr[-2000:]}"
     return done.stdout
+
+
+def _help(words: list[str]) -> str:
+    return _help_text(tuple(words))
 
 
 def _local(words: list[str]) -> list[str]:
