@@ -8,9 +8,12 @@ engine produces exactly the requested tokens. Three measurements per engine:
    tail), all submitted at once: useful output tokens per second (the requested tokens only);
 2. batch-1 decode: ``(n - 1) / (t(n tokens) - t(1 token))``, the same subtraction for every engine,
    so prefill and per-call overhead cancel;
-3. prefill: 1024-token prompts one at a time, one output token each: prompt tokens per second.
+3. batch-16 decode: the same subtraction for 16 requests of n tokens at once, and its ratio to
+   batch 1 (how much a step gains from batching);
+4. prefill: 1024-token prompts one at a time, one output token each: prompt tokens per second.
 
-Engines: minserve fp32 / int8 / int4 in this process (``EngineConfig.quantization``), vLLM fp32 /
+Engines: minserve fp32 / bf16 (``dtype="bfloat16"``) / int8 / int4 in this process
+(``EngineConfig.quantization``), vLLM fp32 /
 bf16 each in a long-lived worker subprocess of vLLM's venv (``make vllm-venv``) that holds one
 ``vllm.LLM``. Runs alternate (engine after engine, the order rotated each round) and every figure
 is the median over rounds: a noisy neighbour on a shared 2-core box then hurts all engines alike.
@@ -39,7 +42,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ENGINES = ("minserve-fp32", "minserve-int8", "minserve-int4", "vllm-fp32", "vllm-bf16")
+ENGINES = ("minserve-fp32", "minserve-bf16", "minserve-int8", "minserve-int4", "vllm-fp32", "vllm-bf16")
+# Engine pairs the issue's targets compare (minserve, its peer), and every metric measured.
+MATCHED = (("minserve-fp32", "vllm-fp32"), ("minserve-bf16", "vllm-bf16"))
+METRICS = ("mixed_tok_s", "decode_tok_s", "decode16_tok_s", "prefill_tok_s")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -146,14 +152,14 @@ class VllmEngine:
 
 
 class MinserveEngine:
-    def __init__(self, name: str, quantization: str | None, args):
+    def __init__(self, name: str, quantization: str | None, args, dtype: str = "float32"):
         from minserve import LLM
         self.name = name
-        self.llm = LLM("smollm2-135m", quantization=quantization, max_num_seqs=args.max_num_seqs,
+        self.llm = LLM("smollm2-135m", quantization=quantization, dtype=dtype, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, kv_cache_memory=f"{args.kv_cache_gib}GiB",
                        enable_prefix_caching=False, seed=args.seed)
-        self.info = {"quantization": quantization}
+        self.info = {"quantization": quantization, "dtype": dtype}
 
     def run(self, prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, list[list[int]]]:
         from minserve import SamplingParams
@@ -170,6 +176,8 @@ def make_engine(name: str, args, model_dir: Path, log_dir: Path):
     kind, fmt = name.split("-", 1)
     if kind == "vllm":
         return VllmEngine(name, {"fp32": "float32", "bf16": "bfloat16"}[fmt], args, model_dir, log_dir)
+    if fmt == "bf16":
+        return MinserveEngine(name, None, args, dtype="bfloat16")
     return MinserveEngine(name, None if fmt == "fp32" else fmt, args)
 
 
@@ -186,6 +194,13 @@ def decode(engine, prompt: list[int], n: int) -> float:
     t_n, _ = engine.run([prompt], [n])
     t_1, _ = engine.run([prompt], [1])
     return (n - 1) / (t_n - t_1)
+
+
+def decode_batch(engine, prompts: list[list[int]], n: int) -> float:
+    """Output tok/s of len(prompts) requests decoding together, prefill subtracted as in decode()."""
+    t_n, _ = engine.run(prompts, [n] * len(prompts))
+    t_1, _ = engine.run(prompts, [1] * len(prompts))
+    return len(prompts) * (n - 1) / (t_n - t_1)
 
 
 def prefill(engine, prompts: list[list[int]]) -> float:
@@ -207,7 +222,9 @@ def workloads(args, tokenizer):
     work = [{"prompt_token_ids": ids[s:s + p], "max_tokens": o} for s, p, o in zip(starts, p_lens, o_lens)]
     decode_prompt = ids[starts[args.num_requests]:starts[args.num_requests] + 32]
     long_prompts = [ids[s:s + args.prefill_len] for s in starts[args.num_requests + 1:]]
-    return work, decode_prompt, long_prompts
+    # The batch-16 prompts: 32 tokens each from 16 places, so no two share a prefix.
+    batch_prompts = [ids[s:s + 32] for s in rng.integers(0, len(ids) - 32, args.max_num_seqs)]
+    return work, decode_prompt, long_prompts, batch_prompts
 
 
 def leading_agreement(a: list[int], b: list[int]) -> int:
@@ -215,12 +232,34 @@ def leading_agreement(a: list[int], b: list[int]) -> int:
 
 
 def markdown(res: dict) -> str:
-    rows = ["| | mixed (useful tok/s) | batch-1 decode (tok/s) | prefill (tok/s, "
-            f"{res['args']['prefill_len']}-token prompts) |", "| --- | --- | --- | --- |"]
+    seqs = res["args"]["max_num_seqs"]
+    rows = [f"| | mixed (useful tok/s) | batch-1 decode (tok/s) | batch-{seqs} decode (tok/s) | "
+            f"{seqs} / 1 | prefill (tok/s, {res['args']['prefill_len']}-token prompts) |",
+            "| --- | --- | --- | --- | --- | --- |"]
     for name, r in res["engines"].items():
         rows.append(f"| {name.replace('-', ' ')} | {r['mixed_tok_s']:.1f} | {r['decode_tok_s']:.1f} | "
+                    f"{r['decode16_tok_s']:.1f} | {r['decode16_tok_s'] / r['decode_tok_s']:.1f} | "
                     f"{r['prefill_tok_s']:.0f} |")
+    if res.get("ratios"):
+        rows += ["", "| minserve / vLLM | " + " | ".join(METRICS) + " |", "| --- |" + " --- |" * len(METRICS)]
+        rows += [f"| {pair} | " + " | ".join(f"{x:.2f}" for x in r.values()) + " |"
+                 for pair, r in res["ratios"].items()]
     return "\n".join(rows)
+
+
+def ratios(engines: dict) -> dict:
+    """The issue's comparisons, per round's medians: each matched pair, and minserve's best row
+    against vLLM's best (every minserve row here passes `minserve eval`: fp32, bf16, int8, int4)."""
+    out = {}
+    for mine, peer in MATCHED:
+        if mine in engines and peer in engines:
+            out[f"{mine} / {peer}"] = {m: engines[mine][m] / engines[peer][m] for m in METRICS}
+    ours = [n for n in engines if n.startswith("minserve")]
+    theirs = [n for n in engines if n.startswith("vllm")]
+    if ours and theirs:
+        out["best minserve / best vLLM"] = {m: max(engines[n][m] for n in ours) / max(engines[n][m] for n in theirs)
+                                            for m in METRICS}
+    return out
 
 
 def main() -> None:
@@ -239,7 +278,7 @@ def main() -> None:
     if bad:
         raise SystemExit(f"--engines must name only {', '.join(ENGINES)}, got {bad}")
     model_dir = resolve_model_dir("smollm2-135m")
-    work, decode_prompt, long_prompts = workloads(args, load_tokenizer(model_dir))
+    work, decode_prompt, long_prompts, batch_prompts = workloads(args, load_tokenizer(model_dir))
     log_dir = Path(tempfile.mkdtemp(prefix="minserve-vs-vllm-"))
     load_start = os.getloadavg()
     engines = {}
@@ -250,7 +289,7 @@ def main() -> None:
             # Warm-up: first allocations, thread pools, vLLM's first-batch paths.
             engines[name].run([w["prompt_token_ids"] for w in work[:4]], [8] * min(4, len(work)))
             engines[name].run([long_prompts[0]], [2])
-        per = {n: {"mixed_tok_s": [], "decode_tok_s": [], "prefill_tok_s": []} for n in names}
+        per = {n: {m: [] for m in METRICS} for n in names}
         tokens = {}
         for r in range(args.runs):
             order = names[r % len(names):] + names[:r % len(names)]  # rotate: no engine always first
@@ -260,9 +299,11 @@ def main() -> None:
                 tokens[name] = m["tokens"]
                 per[name]["mixed_tok_s"].append(m["tok_s"])
                 per[name]["decode_tok_s"].append(decode(e, decode_prompt, args.decode_tokens))
+                per[name]["decode16_tok_s"].append(decode_batch(e, batch_prompts, args.decode_tokens))
                 per[name]["prefill_tok_s"].append(prefill(e, long_prompts))
                 print(f"round {r + 1}/{args.runs} {name}: mixed {m['tok_s']:.1f} tok/s, decode "
-                      f"{per[name]['decode_tok_s'][-1]:.1f} tok/s, prefill "
+                      f"{per[name]['decode_tok_s'][-1]:.1f} tok/s, batch-{len(batch_prompts)} "
+                      f"{per[name]['decode16_tok_s'][-1]:.1f} tok/s, prefill "
                       f"{per[name]['prefill_tok_s'][-1]:.0f} tok/s", flush=True)
     finally:
         infos = {n: e.info for n, e in engines.items()}
@@ -275,6 +316,7 @@ def main() -> None:
                         "useful_output_tokens": sum(w["max_tokens"] for w in work)},
            "engines": {n: {**{k: statistics.median(v) for k, v in per[n].items()},
                            **{f"{k}_runs": v for k, v in per[n].items()}} for n in names}}
+    res["ratios"] = ratios(res["engines"])
     if "minserve-fp32" in tokens and "vllm-fp32" in tokens:
         a, b = tokens["minserve-fp32"], tokens["vllm-fp32"]
         res["greedy_fp32_identical"] = sum(x == y for x, y in zip(a, b))
