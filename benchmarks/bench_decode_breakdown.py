@@ -1,6 +1,6 @@
 """Where a batch-1 decode step goes, and how long loading takes.
 
-Backs the README's explanation of batch-1 decode speed with numbers from this machine:
+Backs docs/engine/fused-step.md's explanation of batch-1 decode speed with numbers from this machine:
 - one decode token (context ~300 tokens) through the PyTorch model (``fused_decode=False``),
 - the same step through the fused C kernel (kernels/decode.py, the default on CPU),
 - the 121 weight matrix-vector products alone in PyTorch (the part the roofline counts), as GB/s,

@@ -3,8 +3,8 @@
 ``quantization_config={"activations": "int8"}`` (with ``int8``, ``int4`` or ``int4-awq``) makes
 the fused CPU decode step quantize each matrix's input rows on the fly, in blocks of 32 columns,
 and multiply them into the weight codes with integer dot products (AVX-512 VNNI). Why: at batch 16
-the weight-only loops are bound by float arithmetic, not by memory (README, "Where fewer bytes
-became speed"); integer dot products do 4x more multiply-adds per instruction.
+the weight-only loops are bound by float arithmetic, not by memory (docs/performance.md, "Where
+fewer bytes became speed"); integer dot products do 4x more multiply-adds per instruction.
 
 What it changes: per block of 32 input features of one row, ``d = max|x| / 127`` and
 ``a = round(x / d)`` in -127..127 (round half to even; an all-zero block gets ``d = 0``, codes 0),

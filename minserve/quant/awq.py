@@ -22,7 +22,7 @@ Recipe, as AutoAWQ runs it, on our layers:
    across each group (one scale per kv-head channel); the LM head (when the policy quantizes it)
    -> the final RMSNorm. All folds are exact in real arithmetic: the dense model is unchanged.
 
-The SmolLM2 twist (README): its fp32 weights are dequantized Q4_1 blocks, so plain int4 g32
+The SmolLM2 twist (docs/engine/quantization.md): its fp32 weights are dequantized Q4_1 blocks, so plain int4 g32
 reproduces them exactly and any ``s != 1`` can only add error: the search picks alpha = 0 there
 (and stops after it). AWQ has loss to recover with larger groups: with g64 it cuts the mean KL from
 fp32 from 0.318 to 0.147 (perplexity +34 % -> +15 %; ``minserve eval``).

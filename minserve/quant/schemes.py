@@ -17,7 +17,7 @@ blocks of 32 and use integer dot products, W8A8 / W4A8, see minserve/quant/activ
 ``calibration`` (a path to a ``.jsonl`` of ``{"text"}`` rows, or a list of strings),
 ``max_calibration_tokens`` and ``n_grid``.
 
-The LM head (``lm_head``), measured both ways on SmolLM2-135M (README, "Quantization"): int8
+The LM head (``lm_head``), measured both ways on SmolLM2-135M (docs/engine/quantization.md): int8
 quantizes it (``"quantize"``: the same agreement with fp32 as a dense head, 81 MiB fewer bytes per
 token); int4 and int4-awq store it in int8 (``"int8"``): an int4 head is the costliest single layer
 (with int4 g32, whose blocks reproduce SmolLM2 exactly, it alone adds +6 % perplexity and a mean
@@ -45,7 +45,7 @@ from minserve.quant.swap import QuantScheme, quantize_
 
 QUANTIZATION_METHODS = ("int8", "int4", "int4-awq")
 # quantization_config["lm_head"]: "quantize" (the format's own), "keep" (dense) or, for the int4
-# formats, "int8" (llama.cpp's habit of a higher-precision output matrix). Defaults: measured (README).
+# formats, "int8" (llama.cpp's habit of a higher-precision output matrix). Defaults: measured (docs/engine/quantization.md).
 LM_HEAD_CHOICES = {"int8": ("quantize", "keep"), "int4": ("int8", "quantize", "keep"),
                    "int4-awq": ("int8", "quantize", "keep")}
 DEFAULT_LM_HEAD = {"int8": "quantize", "int4": "int8", "int4-awq": "int8"}

@@ -23,7 +23,7 @@ from minserve.models.layers import RMSNorm, RotaryEmbedding
 from minserve.quant.formats import INT4_GROUP_SIZES
 
 SCALE_BYTES = 4  # float32 scales and mins (formats.py)
-INT4_DEFAULT_GROUP_SIZE = 32  # Q4_1's block: SmolLM2's weights come back bit for bit (README)
+INT4_DEFAULT_GROUP_SIZE = 32  # Q4_1's block: SmolLM2's weights come back bit for bit (docs/engine/quantization.md)
 
 
 def resolve_group_size(group_size: int, in_features: int, fallback: bool = False,

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--max-prompt-chars", type=int,
                      help=f"longer prompts (or message contents, summed) get 400 (default: "
                           f"max_model_len x {CHARS_PER_TOKEN_BOUND})")
-    conn = ap.add_argument_group("connections, below HTTP requests (README: Serving over HTTP)")
+    conn = ap.add_argument_group("connections, below HTTP requests (docs/serving/index.md)")
     conn.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S, metavar="S",
                       help="close a kept-alive connection idle this long (default: %(default)s s)")
     conn.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
@@ -71,14 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="open connections at most; at the limit the oldest one without a complete "
                            "request head is closed to let a new one in (default: the fd limit "
                            f"less headroom, here {default_max_connections()})")
-    tools = ap.add_argument_group("tool calls (README: Serving over HTTP)")
+    tools = ap.add_argument_group("tool calls (docs/serving/index.md)")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='let the model decide when to call tools (tool_choice="auto"); '
                             "needs --tool-call-parser")
     tools.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
                        help=f"how tool calls are read from the output (the default model: "
                             f"{DEFAULT_TOOL_PARSER})")
-    auth = ap.add_argument_group("authentication (README: Serving over HTTP)")
+    auth = ap.add_argument_group("authentication (docs/serving/index.md)")
     auth.add_argument("--api-key", action="append", default=None, metavar="KEY",
                       help="require 'Authorization: Bearer KEY' on /v1/*; repeatable; admin keys, "
                            "one tenant each (default: $VLLM_API_KEY). Visible in `ps`: prefer a keys file")

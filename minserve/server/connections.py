@@ -103,7 +103,7 @@ def widen_listen_queue(servers) -> None:
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    """The connection-layer flags of ``minserve serve`` (README: Serving over HTTP)."""
+    """The connection-layer flags of ``minserve serve`` (docs/serving/admission.md)."""
 
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S

@@ -34,7 +34,7 @@ CHARS_PER_TOKEN_BOUND = 32
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """Per-request bounds checked before tokenization (README: Serving over HTTP).
+    """Per-request bounds checked before tokenization (docs/serving/request-fields.md).
 
     Stop strings are checked against the new text after every token, so their number and length
     multiply the per-token cost of a request for everyone sharing its batch (100 k of them slowed
@@ -105,8 +105,8 @@ def check_sizes(body, kind: str, limits: RequestLimits, max_model_len: int) -> N
 
 
 def check_lists(body, limits: RequestLimits, vocab_size: int) -> None:
-    """Every list and map field of strings or numbers within its bound (README: Serving over
-    HTTP), a 400 naming the field and the limit otherwise; checked before any of them is tokenized
+    """Every list and map field of strings or numbers within its bound
+    (docs/serving/request-fields.md), a 400 naming the field and the limit otherwise; checked before any of them is tokenized
     or compiled. Lists of objects are bounded by the schema (protocol.py)."""
     so = body.structured_outputs
     bounded = [("allowed_token_ids", body.allowed_token_ids, vocab_size, None),

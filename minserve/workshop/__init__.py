@@ -1,6 +1,6 @@
 """Workshop mode: many participants, one box. ``prepare`` fills a cache that sessions only read;
 ``doctor`` checks a session (the first cell of every lab runs ``doctor.run_checks(short=True)``).
-See README, "Running a workshop"."""
+See docs/workshop.md."""
 
 from minserve.workshop.doctor import Check, checks_frame, format_checks, run_checks
 from minserve.workshop.prepare import Step, prepare

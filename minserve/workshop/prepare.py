@@ -78,7 +78,7 @@ def _probe() -> str:
 def share_read_only(root: Path) -> None:
     """Add read (and, for directories, search) permission for everyone under ``root``: the
     participants' accounts must read what the organiser's account wrote. Write bits are left
-    as they are; ``chmod -R a-w`` is the organiser's choice (README, "Running a workshop")."""
+    as they are; ``chmod -R a-w`` is the organiser's choice (docs/workshop.md)."""
     for dirpath, dirnames, filenames in os.walk(root):
         for name in [*dirnames, *filenames, ""]:
             p = Path(dirpath, name) if name else Path(dirpath)
