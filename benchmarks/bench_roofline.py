@@ -15,8 +15,9 @@ ceilings here and then times the three step types that decide a server's behavio
 - **batch-16 decode**: the median decode step with 16 requests running;
 - **batch-1 decode**: the median decode step of one request;
 - **the kernels by library**: each product of those steps in MKL fp32 (``F.linear``), oneDNN fp32
-  (what minserve's float32 ``Linear`` uses, minserve/models/gemm.py) and oneDNN bf16, and the
-  prefill attention (PyTorch's CPU flash SDPA), in GFLOP/s.
+  (what minserve's float32 ``Linear`` uses, minserve/models/gemm.py), oneDNN bf16 and, at decode
+  sizes, minserve's C (the fused step's float32 product, kernels/decode.c); the prefill attention
+  in PyTorch's CPU flash SDPA and in minserve's C (kernels/prefill_attention.c), in GFLOP/s.
 
 For each step and format the table gives the measured step time, the arithmetic it did (the
 planner's formulas, minserve/plan/budget.py: matmuls of every layer, attention, the LM head of the
@@ -140,30 +141,59 @@ def _median_time(fn, repeats: int = 9) -> float:
     return times[len(times) // 2]
 
 
+def _c_matmul():
+    """decode.c's float32 product (the fused step's), as fn(x, w) -> y, or None without a compiler."""
+    import ctypes
+
+    import torch
+    from minserve.kernels.build import KernelUnavailable, load
+    try:
+        lib = load("decode")
+    except KernelUnavailable:
+        return None
+    f32 = ctypes.POINTER(ctypes.c_float)
+
+    def run(x, w, y):
+        lib.ms_matmul(*(ctypes.cast(t.data_ptr(), f32) for t in (w,)), None,
+                      *(ctypes.cast(t.data_ptr(), f32) for t in (x, y)), ctypes.c_int64(x.shape[0]),
+                      ctypes.c_int64(x.shape[1]), ctypes.c_int64(w.shape[0]), 0)
+    return lambda x, w: run(x, w, torch.empty(x.shape[0], w.shape[0]))
+
+
 def kernel_rates() -> list[dict]:
     """GFLOP/s of the products a step runs, by library: MKL (``F.linear`` on float32), oneDNN on
-    the plain float32 weight (minserve/models/gemm.py's choice), oneDNN in bf16; and the prefill
+    the plain float32 weight (minserve/models/gemm.py's choice), oneDNN in bf16, minserve's C (the
+    fused decode step's product at decode sizes; the prefill attention kernel); and the prefill
     attention (PyTorch's CPU flash SDPA, causal, 1024 tokens, SmolLM2's 9 query / 3 KV heads)."""
     import torch
     import torch.nn.functional as F
+    from minserve.kernels.prefill_attention import prefill_attention
     onednn = torch.ops.mkldnn._linear_pointwise
+    c_matmul = _c_matmul()
     rows = []
     for m, k, n in GEMM_SHAPES:
         x, w = torch.randn(m, k), torch.randn(n, k)
         xb, wb = x.bfloat16(), w.bfloat16()
         flops = 2 * m * k * n
+        c = flops / _median_time(lambda: c_matmul(x, w)) / 1e9 if c_matmul and m <= 16 else None
         rows.append({"kernel": f"linear {m}x{k} -> {n}",
                      "MKL fp32": flops / _median_time(lambda: F.linear(x, w)) / 1e9,
                      "oneDNN fp32": flops / _median_time(lambda: onednn(x, w, None, "none", [], "")) / 1e9,
                      "oneDNN bf16": flops / _median_time(lambda: F.linear(xb, wb)) / 1e9,
-                     "flash SDPA": None})
+                     "minserve C": c, "flash SDPA": None})
     q, kv = torch.randn(1, 9, 1024, 64), torch.randn(1, 3, 1024, 64)
     flops = 4 * 1024 * 1024 * 64 * 9 / 2        # QK^T and PV, causal: half the square
     for dtype in (torch.float32, torch.bfloat16):
         qd, kd = q.to(dtype), kv.to(dtype)
         t = _median_time(lambda: F.scaled_dot_product_attention(qd, kd, kd, is_causal=True, enable_gqa=True))
+        # The C kernel takes [T, H, D] rows (bf16 widened to fp32 inside).
+        qr, kr = qd[0].transpose(0, 1).contiguous(), kd[0].transpose(0, 1).contiguous()
+        c = None
+        if prefill_attention(qr, kr, kr, 0.125) is not None:
+            c = flops / _median_time(lambda: prefill_attention(qr, kr, kr, 0.125)) / 1e9
         rows.append({"kernel": f"causal attention, 1024 tokens, {str(dtype).replace('torch.', '')}",
-                     "MKL fp32": None, "oneDNN fp32": None, "oneDNN bf16": None, "flash SDPA": flops / t / 1e9})
+                     "MKL fp32": None, "oneDNN fp32": None, "oneDNN bf16": None, "minserve C": c,
+                     "flash SDPA": flops / t / 1e9})
     return rows
 
 
