@@ -27,7 +27,8 @@ from minserve.engine.output_processor import OutputProcessor
 from minserve.engine.parallel_sampling import ParentRequest, fan_out
 from minserve.engine.inputs import check_cache_salt, check_params, prepare_logits_controls, prompt_ids
 from minserve.engine.isolation import execute_isolating_faults
-from minserve.engine.observers import StepObserver, StepObservers
+from minserve.engine.extensions import EngineExtensions
+from minserve.engine.observers import StepObservers
 from minserve.engine.penalties import PreparedControls
 from minserve.engine.request import Request, RequestRecord, RequestStatus
 from minserve.engine.sampler import make_generator
@@ -44,7 +45,7 @@ from minserve.structured import GrammarBackend
 log = logging.getLogger("minserve")
 
 
-class LLMEngine:
+class LLMEngine(EngineExtensions):
     def __init__(self, config: EngineConfig):
         t0 = time.perf_counter()
         self.config = config
@@ -225,43 +226,6 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished
-
-    # ---- step observers (engine/observers.py) -----------------------------------------------
-
-    def add_step_observer(self, observer: StepObserver) -> None:
-        """Let ``observer`` see every scheduled batch, KV block event and sampled token from now
-        on, and the logits of the requests in its ``capture_logits``."""
-        if not isinstance(observer, StepObserver):
-            raise ValueError(f"observer must be a StepObserver, got {type(observer).__name__}")
-        if self._observers is None:
-            self._observers = obs = StepObservers()
-            self.kv.observe(obs)
-            self.runner.logits_tap = lambda reqs, logits: obs.logits(self.num_steps, reqs, logits)
-        self._observers.observers.append(observer)
-
-    def remove_step_observer(self, observer: StepObserver) -> None:
-        """Stop notifying ``observer``; with the last one gone the engine builds no records."""
-        if self._observers is None or observer not in self._observers.observers:
-            return
-        self._observers.observers.remove(observer)
-        if not self._observers.observers:
-            self._observers = None
-            self.kv.observe(None)
-            self.runner.logits_tap = None
-
-    def set_layer_attention(self, make_op, name: str = "custom") -> None:
-        """Attention experiments (sinks, windows, sparsity): every layer attends through the op
-        ``make_op(num_heads, num_kv_heads, head_dim)`` builds, called as the torch op is
-        (attention/torch_paged.py: write the new K/V, attend, return [tokens, heads x head_dim]);
-        steps run on the PyTorch path. K/V computed this way differ from the model's own, so the
-        prefix cache keys blocks by ``name`` too: no block crosses between attentions. ``None``
-        restores the engine's attention. Only between requests (ValueError otherwise)."""
-        if self.has_unfinished_requests():
-            raise ValueError("set_layer_attention needs an engine with no unfinished requests")
-        self.runner.set_layer_attention(make_op)
-        tag = "" if make_op is None else f"/attention={name}"
-        self.kv.model_fingerprint = hashlib.sha256((self.model_fingerprint + tag).encode()).hexdigest()[:16] \
-            if tag else self.model_fingerprint
 
     # ---- one iteration ---------------------------------------------------------------------
 
