@@ -304,3 +304,22 @@ def test_processors_see_logits_as_float32_rows(llm):
     out = procs(x, [SamplingParams(temperature=0)] * 2)
     assert out[0, 3] == float("-inf") and out[1].isfinite().all() and x.isfinite().all()
     procs.update([])  # leave the engine's slots empty for the next test
+
+
+def test_forked_samples_and_draft_verification_keep_the_ban():
+    """n > 1: the samples forked off a request are rows of their own (their first token comes
+    from the parent's last row); a sampled draft-model verification checks against the processed
+    target distribution, so no banned token is ever accepted."""
+    draft = {"method": "draft_model", "model": "self", "num_speculative_tokens": 3}
+    for kw in ({}, {"speculative_config": draft}):
+        llm = LLM("tiny-llama", logits_processors=[BanTokens], **ENGINE, **kw)
+        free = SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=12, ignore_eos=True)
+        seen = sorted({t for c in llm.generate({"prompt_token_ids": PROMPTS[0]}, free, use_tqdm=False)[0].outputs
+                       for t in c.token_ids})
+        banned = seen[::2]
+        ban = SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=12, ignore_eos=True,
+                             extra_args={"banned_token_ids": banned})
+        outs = llm.generate({"prompt_token_ids": PROMPTS[0]}, ban, use_tqdm=False)[0].outputs
+        assert len(outs) == 3 and all(len(c.token_ids) == 12 and not set(c.token_ids) & set(banned) for c in outs)
+        assert_all_blocks_free(llm)
+    assert llm.llm_engine.snapshot()["vllm:spec_decode_num_draft_tokens"] > 0

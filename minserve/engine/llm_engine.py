@@ -27,6 +27,8 @@ from minserve.engine.output_processor import OutputProcessor
 from minserve.engine.parallel_sampling import ParentRequest, fan_out
 from minserve.engine.inputs import check_cache_salt, check_params, prepare_logits_controls, prompt_ids
 from minserve.engine.isolation import execute_isolating_faults
+from minserve.engine.logits_batch import LogitsProcessors
+from minserve.engine.logits_processor import engine_logits_processor_classes
 from minserve.engine.extensions import EngineExtensions
 from minserve.engine.observers import StepObservers
 from minserve.engine.penalties import PreparedControls
@@ -62,9 +64,12 @@ class LLMEngine(EngineExtensions):
         self.kv_spec = plan_kv_cache(loaded.config, config, self.runner.device_memory)
         self.max_model_len = self._resolve_max_model_len(model_max)
         self.runner.allocate_kv(self.kv_spec, self.max_model_len)
-        # Custom logits processors' classes (engine/logits_processor.py): their validate_params
-        # sees every request in prepare_params; the instances live in the runner.
-        self.logits_processor_classes = self.runner.logits_processor_classes
+        # Custom logits processors (engine/logits_processor.py): each class's validate_params sees
+        # every request in prepare_params; the instances run in the runner's sampling step.
+        self.logits_processor_classes = engine_logits_processor_classes(config.logits_processors)
+        if self.logits_processor_classes:
+            self.runner.logits_processors = LogitsProcessors(self.logits_processor_classes, config,
+                                                             self.runner.device)
         # The weight format is part of the key: int4 blocks must never be served to an fp32 engine.
         quant = config.quant_scheme.label() if config.quant_scheme is not None else "none"
         self.model_fingerprint = model_fingerprint(loaded, config.dtype, quant, kv_cache_dtype=config.kv_cache_dtype)

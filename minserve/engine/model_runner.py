@@ -29,8 +29,7 @@ import torch
 from minserve.attention import AttentionBackend, StepSequences, TorchAttentionBackend
 from minserve.attention.fused_cpu import FusedCpuBackend
 from minserve.config import EngineConfig
-from minserve.engine.logits_batch import LogitsProcessors, processor_rows
-from minserve.engine.logits_processor import engine_logits_processor_classes
+from minserve.engine.logits_batch import processor_rows
 from minserve.engine.kv_cache import KVCacheManager, KVCacheSpec, LayerKV, allocate_kv_tensors, allocate_layer_kv
 from minserve.engine.memory import DeviceMemory, DeviceMemoryReader, measure_device_memory, snapshot
 from minserve.engine.penalties import needs_output_ids
@@ -96,11 +95,9 @@ class ModelRunner:
         self.block_size = config.block_size
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
-        # Custom logits processors (engine/logits_processor.py): None when there are none, so a
-        # plain engine builds no rows and copies no logits for them.
-        self.logits_processor_classes = engine_logits_processor_classes(config.logits_processors)
-        self.logits_processors = (LogitsProcessors(self.logits_processor_classes, config, self.device)
-                                  if self.logits_processor_classes else None)
+        # Custom logits processors (engine/logits_batch.py LogitsProcessors), set by the engine
+        # when it has some; None: no rows are tracked and no logits copied for them.
+        self.logits_processors = None
         # Structured outputs: the engine's GrammarBackend (minserve/structured), which fills the
         # allowed-token bitmask of constrained rows; None in a runner used without an engine.
         self.grammar = None
