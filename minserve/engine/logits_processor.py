@@ -9,7 +9,8 @@ when a request is added. Code written for ``vllm.v1.sample.logits_processor.Logi
 ports by changing the import; the constructor takes minserve's :class:`~minserve.config.EngineConfig`
 where vLLM passes its ``VllmConfig``.
 
-Loaded three ways, all at engine start (engine/logits_batch.py):
+Loaded three ways, all when the engine starts (LLMEngine builds them; engine/logits_batch.py runs
+them):
 
 - ``LLM(model, logits_processors=[MyProcessor])``: the class itself;
 - ``LLM(model, logits_processors=["mypkg.rules:MyProcessor"])`` or ``minserve serve
