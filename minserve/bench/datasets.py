@@ -63,6 +63,7 @@ class SampleRequest:
     expected_output_len: int   # sent as max_tokens
     request_id: str = ""
     scenario: str = ""
+    priority_class: str = ""   # "interactive" / "batch" (minserve serve's x-priority-class); "": unset
 
 
 def _count(tokenizer, text: str) -> int:
