@@ -27,6 +27,13 @@ in a sweep the rate is added to a given name, one file per rate). Our additions 
 ``--length-scale``, ``--metrics-interval`` (``/metrics`` sampling) and ``--backend inprocess``
 (an engine in this process, no server). As vLLM does for ``random``, synthetic datasets send
 ``ignore_eos`` so the workload, not the model, sets output lengths.
+
+``--workload NAME|FILE`` takes a versioned workload file instead of a dataset
+(:mod:`minserve.bench.workloads`: short_qa, rag, codegen, agent, capstone_mix): its lengths, its
+arrival process (unless ``--burstiness`` is given), its request classes (sent as
+``x-priority-class``) and each class's SLO, judged per class in the result's ``classes``. Every
+result file carries the run's manifest (:mod:`minserve.bench.manifest`). ``minserve bench sweep``
+(:mod:`minserve.bench.sweep_cli`) runs many of these over server and bench parameters.
 """
 
 from __future__ import annotations
@@ -39,9 +46,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from minserve.bench.datasets import DATASET_NAMES, SYNTHETIC, get_samples
+from minserve.bench.manifest import LoadSampler, build_manifest, dataset_workload
 from minserve.bench.metrics import DEFAULT_PERCENTILE_METRICS, METRIC_NAMES, parse_goodput
 from minserve.bench.results import (BenchOptions, default_filename, format_summary, save_result,
                                     sweep_table)
+from minserve.bench.workloads import load_workload, workload_names
 
 BACKENDS = ("openai", "openai-chat", "inprocess")
 ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
@@ -58,13 +67,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="API path (default /v1/completions; /v1/chat/completions for openai-chat)")
     ap.add_argument("--model", default=None, help="model id (default: first from GET /v1/models)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer for lengths (default: --model)")
-    ap.add_argument("--dataset-name", choices=DATASET_NAMES, default="random")
+    ap.add_argument("--dataset-name", choices=DATASET_NAMES, default=None,
+                    help="vLLM's datasets and our scenarios (default: random)")
+    ap.add_argument("--workload", default=None, metavar="NAME|FILE",
+                    help=f"a versioned workload file ({', '.join(workload_names())}, or a path): "
+                         "lengths, arrivals (unless --burstiness), classes and SLOs; not with --dataset-name")
     ap.add_argument("--dataset-path", default=None, help="ShareGPT JSON file for --dataset-name sharegpt")
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--request-rate", default="inf",
                     help="requests/s; inf sends all at once; a comma list (1,2,4) runs a sweep")
-    ap.add_argument("--burstiness", type=float, default=1.0,
-                    help="gamma shape of the gaps: 1 = Poisson, <1 burstier, >1 more regular")
+    ap.add_argument("--burstiness", type=float, default=None,
+                    help="gamma shape of the gaps: 1 = Poisson, <1 burstier, >1 more regular "
+                         "(default: 1, or the workload's arrival process)")
     ap.add_argument("--max-concurrency", type=int, default=None)
     ap.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                     help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000 (milliseconds)")
@@ -129,20 +143,58 @@ def load_bench_tokenizer(name: str):
                          "--tokenizer with a minserve alias or a local model directory") from e
 
 
+def workload_of(args):
+    """The --workload file, loaded and hash-checked once per args; None for a dataset."""
+    if not getattr(args, "workload", None):
+        return None
+    if getattr(args, "_workload", None) is None or args._workload_key != args.workload:
+        if args.dataset_name is not None:
+            raise ValueError("give either --workload or --dataset-name, not both")
+        args._workload, args._workload_key = load_workload(args.workload), args.workload
+    return args._workload
+
+
+def workload_entry(args) -> dict:
+    """The manifest's ``workload`` entry for these flags (a workload file or a dataset)."""
+    w = workload_of(args)
+    common = {"seed": args.seed, "num_prompts": args.num_prompts, "length_scale": args.length_scale}
+    if w is not None:
+        return {**w.describe(), **common}
+    name = args.dataset_name or "random"
+    keys = {"random": ("random_input_len", "random_output_len", "random_range_ratio", "random_prefix_len"),
+            "sharegpt": ("dataset_path", "sharegpt_output_len")}.get(name, ("length_scale",))
+    return {**dataset_workload(name, **{k: getattr(args, k) for k in keys}), **common}
+
+
+def build_requests(args, tokenizer, seed: int, n: int):
+    """The ``n`` requests these flags ask for, drawn with ``seed``."""
+    w = workload_of(args)
+    if w is not None:
+        return w.requests(tokenizer, n, seed, args.length_scale)
+    return get_samples(
+        args.dataset_name or "random", tokenizer, n, seed, dataset_path=args.dataset_path,
+        random_input_len=args.random_input_len, random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio, random_prefix_len=args.random_prefix_len,
+        sharegpt_output_len=args.sharegpt_output_len, length_scale=args.length_scale)
+
+
 def options(args, rate: float) -> BenchOptions:
+    w = workload_of(args)
     metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
     bad = [m for m in metrics if m not in METRIC_NAMES]
     if bad:
         raise ValueError(f"percentile_metrics must name only {', '.join(METRIC_NAMES)}, got {bad}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {args.max_concurrency}")
+    burstiness = args.burstiness if args.burstiness is not None else (w.burstiness if w else 1.0)
     return BenchOptions(
-        request_rate=rate, burstiness=args.burstiness, seed=args.seed,
+        request_rate=rate, burstiness=burstiness, seed=args.seed,
         max_concurrency=args.max_concurrency,
-        ignore_eos=args.ignore_eos or args.dataset_name in SYNTHETIC,
+        # Workloads are synthetic too: their output lengths are part of the file.
+        ignore_eos=args.ignore_eos or w is not None or (args.dataset_name or "random") in SYNTHETIC,
         disable_tqdm=args.disable_tqdm, percentile_metrics=metrics,
         metric_percentiles=_floats("metric_percentiles", args.metric_percentiles),
-        goodput=parse_goodput(args.goodput))
+        goodput=parse_goodput(args.goodput), class_slos=w.class_slos() if w else None)
 
 
 def _result_path(args, summary: dict, sweep: bool) -> Path:
@@ -158,15 +210,16 @@ def _result_path(args, summary: dict, sweep: bool) -> Path:
 
 
 class _Runner:
-    """Runs one rate on the chosen backend; holds the engine or the HTTP target between rates."""
+    """Runs one rate on the chosen backend; holds the engine or the HTTP target between rates.
+    ``engine``: an engine to drive in process (the sweep builds one per server combination)."""
 
-    def __init__(self, args):
+    def __init__(self, args, engine=None):
         self.args = args
         if args.backend == "inprocess":
-            if not args.model:
+            if engine is None and not args.model:
                 raise ValueError("--backend inprocess needs --model (an alias or a local directory)")
             from minserve.engine.llm_engine import LLMEngine
-            self.engine = LLMEngine.from_engine_args(args.model, seed=args.seed)
+            self.engine = engine or LLMEngine.from_engine_args(args.model, seed=args.seed)
             self.tokenizer = self.engine.tokenizer
             return
         from minserve.bench.client import Target, fetch_model_id
@@ -183,22 +236,35 @@ class _Runner:
         if self.args.backend == "inprocess":
             from minserve.bench.inprocess import run_inprocess
             res = run_inprocess(self.engine, [req] * count, max_concurrency=opts.max_concurrency,
-                                ignore_eos=opts.ignore_eos)
+                                ignore_eos=opts.ignore_eos, manifest=False)
             return [SimpleNamespace(success=bool(r.success), error=r.error)
                     for r in res.requests.itertuples()]
         from minserve.bench.client import warm_up
         return asyncio.run(warm_up(self.target, req, opts.ignore_eos, count, opts.max_concurrency))
 
-    def run(self, requests, opts: BenchOptions):
+    def run(self, requests, opts: BenchOptions, server: dict | None = None, pids: tuple = ()):
+        """One measured run, its manifest attached (``server``: how the target is served, from
+        the sweep; ``pids``: server processes whose CPU is ours, not "other load")."""
+        workload = workload_entry(self.args)
         if self.args.backend == "inprocess":
             from minserve.bench.inprocess import run_inprocess
             fields = {k: v for k, v in vars(opts).items()
                       if k not in ("request_rate", "burstiness", "seed", "max_concurrency")}
-            return run_inprocess(self.engine, requests, opts.request_rate, opts.burstiness,
-                                 opts.seed, opts.max_concurrency, **fields)
+            result = run_inprocess(self.engine, requests, opts.request_rate, opts.burstiness,
+                                   opts.seed, opts.max_concurrency, workload=workload, **fields)
+            if server:
+                result.manifest["server"] = server
+            return result
         from minserve.bench.client import run_http
-        return asyncio.run(run_http(self.target, requests, opts, self.tokenizer,
-                                    self.args.metrics_interval))
+        load = LoadSampler(pids).start()
+        result = asyncio.run(run_http(self.target, requests, opts, self.tokenizer,
+                                      self.args.metrics_interval))
+        server = server or {"kind": "external", "base_url": self.target.base_url}
+        result.manifest = build_manifest(
+            workload=workload, model=self.target.model, engine=server.get("engine"),
+            server={k: v for k, v in server.items() if k != "engine"}, bench=vars(opts),
+            load=load.stop())
+        return result
 
 
 def initial_test_run(runner: _Runner, req, opts: BenchOptions, num_warmups: int) -> None:
@@ -231,11 +297,7 @@ def run(args) -> list[dict]:
     runner = _Runner(args)
 
     def prompts(seed: int, n: int):
-        return get_samples(
-            args.dataset_name, runner.tokenizer, n, seed, dataset_path=args.dataset_path,
-            random_input_len=args.random_input_len, random_output_len=args.random_output_len,
-            random_range_ratio=args.random_range_ratio, random_prefix_len=args.random_prefix_len,
-            sharegpt_output_len=args.sharegpt_output_len, length_scale=args.length_scale)
+        return build_requests(args, runner.tokenizer, seed, n)
 
     # Rate k draws its prompts with seed + k, and the test run a prompt of its own (seed + the
     # number of rates): replaying one set of prompts, every rate after the first (and the first
@@ -268,6 +330,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+BENCH_USAGE = ("usage: minserve bench serve [options]\n"
+               "       minserve bench sweep {serve,plot,plot_pareto} [options]")
+
+
+def bench_main(argv: list[str]) -> int:
+    """``minserve bench serve | sweep ...``."""
+    if argv and argv[0] == "serve":
+        return main(argv[1:])
+    if argv and argv[0] == "sweep":
+        from minserve.bench.sweep_cli import main as sweep_main
+        return sweep_main(argv[1:])
+    if argv and argv[0] in ("-h", "--help"):  # every bench command's options, on one page
+        print(BENCH_USAGE + "\n\n" + build_parser().format_help())
+        from minserve.bench.sweep_cli import main as sweep_main
+        return sweep_main(["--help"])
+    print(BENCH_USAGE, file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

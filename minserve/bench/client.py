@@ -165,7 +165,9 @@ async def send_request(client: httpx.AsyncClient, target: Target, req: SampleReq
     payload = build_payload(target, req, ignore_eos)
     rec.start_time = time.perf_counter()
     try:
-        async with client.stream("POST", target.api_url, json=payload) as resp:
+        # A workload's request class (minserve serve's admission header; vLLM ignores it).
+        headers = {"x-priority-class": req.priority_class} if req.priority_class else None
+        async with client.stream("POST", target.api_url, json=payload, headers=headers) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode("utf-8", "replace")
                 rec.error = f"HTTP {resp.status_code}: {body[:500]}"

@@ -29,8 +29,10 @@ from collections import deque
 
 from minserve.bench.arrivals import arrival_times
 from minserve.bench.datasets import SampleRequest
+from minserve.bench.manifest import LoadSampler, build_manifest, config_dict
 from minserve.bench.metrics import RequestRecord, set_latencies
 from minserve.bench.results import BenchOptions, BenchResult, finalize
+from minserve.bench.workload_parts import PRIORITY_CLASSES
 from minserve.sampling_params import RequestOutputKind, SamplingParams
 
 IDLE_SLEEP_MAX_S = 0.05  # re-check at least this often while waiting for the next arrival
@@ -65,8 +67,10 @@ class _Run:
                                     ignore_eos=self.opts.ignore_eos,
                                     output_kind=RequestOutputKind.DELTA)
             rec.start_time = time.perf_counter()
+            # Only requests of a workload class carry a priority (duck-typed engines need not).
+            extra = {"priority": class_priority(req.priority_class)} if req.priority_class else {}
             try:
-                self.engine.add_request(self.prefix + str(i), req.prompt, params)
+                self.engine.add_request(self.prefix + str(i), req.prompt, params, **extra)
             except ValueError as e:  # e.g. a prompt longer than max_model_len
                 rec.error = str(e)
                 self.done += 1
@@ -108,21 +112,30 @@ class _Run:
             time.sleep(min(max(wait, 0.0), IDLE_SLEEP_MAX_S))
 
 
+def class_priority(priority_class: str) -> int:
+    """The engine ``priority`` of a request class: under ``scheduling_policy="priority"``
+    interactive (0) runs before batch (1), as ``minserve serve`` ranks its classes; 0 unset."""
+    return PRIORITY_CLASSES.index(priority_class) if priority_class in PRIORITY_CLASSES else 0
+
+
 def run_inprocess(engine, requests: list[SampleRequest], request_rate: float = math.inf,
                   burstiness: float = 1.0, seed: int = 0, max_concurrency: int | None = None,
-                  **options) -> BenchResult:
+                  workload: dict | None = None, manifest: bool = True, **options) -> BenchResult:
     """Offer ``requests`` to ``engine`` at ``request_rate`` req/s and measure them.
 
     ``options`` are the other :class:`~minserve.bench.results.BenchOptions` fields
     (``ignore_eos``, ``percentile_metrics``, ``metric_percentiles``, ``goodput`` in ms,
-    ``disable_tqdm``). Returns ``.summary`` (vLLM's result keys), ``.requests`` (one row per
-    request) and ``.steps`` (``engine.steps_frame()`` rows of this run, with ``t_s`` = seconds
-    since the run started, on the same clock as the request frame's ``send_s``/``finish_s``).
+    ``class_slos``, ``disable_tqdm``). Returns ``.summary`` (vLLM's result keys), ``.requests``
+    (one row per request), ``.steps`` (``engine.steps_frame()`` rows of this run, with ``t_s`` =
+    seconds since the run started, on the same clock as the request frame's
+    ``send_s``/``finish_s``) and ``.manifest`` (:mod:`minserve.bench.manifest`; ``workload`` is
+    its workload entry, e.g. ``Workload.describe()``; ``manifest=False`` skips it).
     """
     opts = BenchOptions(request_rate=request_rate, burstiness=burstiness, seed=seed,
                         max_concurrency=max_concurrency, **options)
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1 or None, got {max_concurrency}")
+    load = LoadSampler().start() if manifest else None
     run = _Run(engine, requests, opts)
     first_step = engine.num_steps  # a step index, not a list position: the history is bounded
     pbar = None
@@ -147,7 +160,13 @@ def run_inprocess(engine, requests: list[SampleRequest], request_rate: float = m
     meta = {"backend": "inprocess", "model_id": model, "tokenizer_id": model,
             "num_prompts": len(requests)}
     summary, frame = finalize(run.records, duration, t0, meta, opts, engine.tokenizer)
-    return BenchResult(summary=summary, requests=frame, steps=_steps(engine, first_step, t0))
+    result = BenchResult(summary=summary, requests=frame, steps=_steps(engine, first_step, t0))
+    if load is not None:
+        result.manifest = build_manifest(
+            workload=workload or {"name": None, "note": "requests given directly, no workload named"},
+            model=model, engine=config_dict(engine.config), server={"kind": "in-process"},
+            bench=vars(opts), load=load.stop())
+    return result
 
 
 def _steps(engine, first_step: int, t0: float):

@@ -5,7 +5,12 @@ so latency can be plotted against what the server was doing at the time:
 - ``requests``: one record per request (ids, planned and actual send time, TTFT, ITL list, TPOT,
   E2EL, input / output lengths, success, error), times in seconds from the start of the run;
 - ``server_metrics_timeseries``: the server's ``/metrics`` sampled during the run (HTTP backend),
-  or ``engine_steps``: the engine's per-step records (in-process backend).
+  or ``engine_steps``: the engine's per-step records (in-process backend);
+- ``manifest``: what the run was measured on (:mod:`minserve.bench.manifest`: workload version and
+  hash, model hash, code, kernels, hardware, engine configuration, machine load);
+- ``classes`` (a workload file's runs): per request class, its counts, latencies and goodput
+  against its own SLO. Without a run-wide ``--goodput``, ``request_goodput`` is then the sum of
+  the classes' goodputs: a request is good when it met its own class's SLO.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ class BenchOptions:
     percentile_metrics: list[str] = field(default_factory=lambda: ["ttft", "tpot", "itl"])
     metric_percentiles: list[float] = field(default_factory=lambda: [99.0])
     goodput: dict[str, float] = field(default_factory=dict)   # SLOs in ms
+    # Per request class (a workload file's classes, by SampleRequest.scenario): its priority
+    # class, streaming flag and SLO ({"ttft": ms, ...}); adds "classes" to the summary.
+    class_slos: dict[str, dict] | None = None
 
 
 @dataclass
@@ -51,9 +59,12 @@ class BenchResult:
     requests: "pd.DataFrame"                   # one row per request (REQUEST_COLUMNS)
     steps: "pd.DataFrame | None" = None        # engine steps (in-process backend)
     server_metrics: "pd.DataFrame | None" = None  # /metrics time series (HTTP backend)
+    manifest: dict | None = None               # what it ran on (minserve.bench.manifest)
 
     def to_json(self) -> dict:
         out = dict(self.summary)
+        if self.manifest is not None:
+            out["manifest"] = self.manifest
         out["requests"] = _records(self.requests)
         if self.server_metrics is not None:
             out["server_metrics_timeseries"] = _records(self.server_metrics)
@@ -101,7 +112,38 @@ def finalize(records: list[RequestRecord], duration_s: float, t0: float, meta: d
                "burstiness": opts.burstiness, "max_concurrency": opts.max_concurrency}
     summary = result_dict(records, m, lens, duration_s, summary, opts.percentile_metrics,
                           opts.goodput or None)
+    if opts.class_slos:
+        summary["classes"] = class_summaries(records, duration_s, opts, tokenizer)
+        judged = [c["request_goodput"] for c in summary["classes"].values() if c["request_goodput"] is not None]
+        if summary["request_goodput"] is None and judged:
+            # No run-wide SLO given: a request counts as good when it met its own class's SLO.
+            summary["request_goodput"] = sum(judged)
     return summary, requests_frame(records, lens, t0)
+
+
+CLASS_KEYS = ("completed", "failed", "request_throughput", "request_goodput", "output_throughput")
+
+
+def class_summaries(records: list[RequestRecord], duration_s: float, opts: BenchOptions,
+                    tokenizer=None) -> dict[str, dict]:
+    """Per request class: counts, throughput and goodput against *its own* SLO (over the whole
+    run's duration, so the classes' throughputs add up to the run's), the share of its requests
+    that met the SLO, and the latency statistics of :func:`calculate_metrics`."""
+    out = {}
+    for name, spec in opts.class_slos.items():
+        mine = [r for r in records if r.scenario == name]
+        slo = dict(spec.get("slo") or {})
+        m, _ = calculate_metrics(mine, duration_s, tokenizer, opts.metric_percentiles, slo or None)
+        row = {"priority_class": spec.get("priority_class"), "streaming": spec.get("streaming"),
+               "slo": slo, "num_requests": len(mine), **{k: getattr(m, k) for k in CLASS_KEYS}}
+        row["slo_attainment"] = (m.request_goodput * duration_s / len(mine)) if mine and slo else None
+        if not slo:
+            row["request_goodput"] = None
+        for metric, stats in m.stats_ms.items():  # None, not vLLM's 0, for a class with no answers
+            row.update({f"{stat}_{metric}_ms": v if m.completed else None
+                        for stat, v in stats.items() if stat != "std"})
+        out[name] = row
+    return out
 
 
 def default_filename(backend: str, rate: float, max_concurrency: int | None, model_id: str,
