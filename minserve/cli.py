@@ -1,4 +1,4 @@
-"""`minserve` command line: serve | bench serve | generate | eval | plan | prepare | doctor.
+"""`minserve` command line: serve | bench serve | bench sweep | generate | eval | plan | prepare | doctor.
 
 Subcommands import their modules lazily, so `minserve generate` does not pay for FastAPI and
 `minserve serve` does not pay for the load generator.
@@ -28,7 +28,7 @@ def _generate(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = ("usage: minserve {serve,bench serve,generate,eval,plan,prepare,doctor} [options]  "
+    usage = ("usage: minserve {serve,bench serve,bench sweep,generate,eval,plan,prepare,doctor} [options]  "
              "(-h after a command for its options)")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
@@ -37,12 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "serve":
         from minserve.server.cli import main as serve_main
         return serve_main(rest)
-    if cmd == "bench":
-        if not rest or rest[0] != "serve":
-            print("usage: minserve bench serve [options]", file=sys.stderr)
-            return 2
-        from minserve.bench.cli import main as bench_main
-        return bench_main(rest[1:])
+    if cmd == "bench":  # bench serve | bench sweep ...
+        from minserve.bench.cli import bench_main
+        return bench_main(rest)
     if cmd == "generate":
         return _generate(rest)
     if cmd == "eval":

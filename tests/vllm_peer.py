@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+# One copy of the free-port and stop code, shared with `minserve bench sweep`.
+from minserve.bench.sweep_targets import free_port, stop_process
 
 MODEL_ALIAS = "smollm2-135m"
 START_TIMEOUT_S = 600.0  # vLLM's CPU start (imports, model load, KV warm-up) takes a minute or more
@@ -72,12 +74,6 @@ def model_dir() -> Path:
     return resolve_model_dir(MODEL_ALIAS)
 
 
-def free_port() -> int:
-    # The port is released before vLLM binds it: another process could take it in between, which
-    # on a test box is rare enough; vLLM cannot be handed an open socket.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -151,15 +147,6 @@ def vllm_server(dtype: str = "float32", max_model_len: int = 2048, extra_args: t
         _stop(proc)
 
 
-def _stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    import signal
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)  # vLLM shuts its engine process down on SIGTERM
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+def _stop(proc: subprocess.Popen) -> None:
+    # SIGTERM to the process group (vLLM shuts its engine process down on it), SIGKILL after 30 s.
+    stop_process(proc)

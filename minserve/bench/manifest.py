@@ -19,7 +19,8 @@ Fields (each a dict; ``None`` where it cannot be known, with a ``note`` saying w
 - ``engine`` / ``server``: the full engine configuration (defaults resolved) and how it was
   served; ``bench``: the load generator's options;
 - ``load``: the machine's load average and the CPU other processes took during the run (see
-  :class:`LoadSampler`); a busy shared machine explains a noisy result.
+  :class:`LoadSampler`); a busy shared machine explains a noisy result. A server the run did not
+  start itself (``--base-url``) counts as another process when it runs on the same machine.
 """
 
 from __future__ import annotations

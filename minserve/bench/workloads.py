@@ -311,8 +311,14 @@ def rehash(path: str | Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``python -m minserve.bench.workloads {check,rehash} FILE...``"""
     argv = list(sys.argv[1:] if argv is None else argv)
+    usage = ("usage: python -m minserve.bench.workloads {check,rehash} FILE...\n"
+             "  check   load each file, verifying its sha256 and released version\n"
+             "  rehash  after a deliberate edit and a version bump: write sha256, release the version")
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if len(argv) < 2 or argv[0] not in ("check", "rehash"):
-        print("usage: python -m minserve.bench.workloads {check,rehash} FILE...", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     try:
         for f in (a for a in argv[1:] if Path(a).name != LOCK_FILE):

@@ -34,6 +34,7 @@ Failure policy (DESIGN: "nothing lost, clear errors"):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -106,6 +107,28 @@ class _FailAll:
     failure: RequestFailed
 
 
+@dataclass
+class _Call:
+    fn: Callable
+    future: concurrent.futures.Future
+
+
+def reset_prefix_cache(engine) -> bool:
+    """Forget every cached prefix block (vLLM's ``reset_prefix_cache``): the next request
+    prefills its whole prompt, as on a fresh server. Like vLLM, it refuses (returns False, nothing
+    changed) while any request is unfinished: blocks in use cannot be forgotten, and forgetting
+    only the idle ones would leave a half-warm cache. A sweep resets between runs this way.
+
+    It allocates every free block and gives them back: the pool hands out plain blocks first and
+    then evicts each cached one (the LRU path it always takes), so the prefix index empties
+    through its own bookkeeping (eviction count and observers included), not around it."""
+    pool = engine.kv.pool
+    if engine.has_unfinished_requests() or pool.num_free != pool.num_blocks:
+        return False
+    pool.release(pool.allocate(pool.num_free))
+    return not pool.cached
+
+
 class AsyncEngine:
     """Runs ``engine`` on a background thread. Observers, called on that thread: ``on_step(stats)``
     after each step that computed something (admission measures step times), ``on_running(work)``
@@ -162,6 +185,17 @@ class AsyncEngine:
         self._inbox.put(_FailAll(failure))
         self._wake.set()
 
+    def call(self, fn: Callable) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the engine thread between steps (the engine is touched by
+        nothing else); the future holds its result or its exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.alive:
+            future.set_exception(RuntimeError(f"the engine is not running ({self.error or 'stopped'})"))
+            return future
+        self._inbox.put(_Call(fn, future))
+        self._wake.set()
+        return future
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the loop; requests still in flight are aborted and their clients told why."""
         self._stop.set()
@@ -206,12 +240,23 @@ class AsyncEngine:
                 self._add(cmd)
             elif isinstance(cmd, _FailAll):
                 self._fail_all(cmd.failure)
+            elif isinstance(cmd, _Call):
+                self._run_call(cmd, refuse)
             else:
                 self.engine.abort_request(cmd.request_id)
                 self._deadlines.pop(cmd.request_id, None)
                 sink = self._sinks.pop(cmd.request_id, None)
                 if sink is not None:  # whoever reads it (nobody, when its client left) is told
                     sink.put(RequestFailed("the request was aborted", 499, "aborted"))
+
+    def _run_call(self, cmd: _Call, refuse: RequestFailed | None) -> None:
+        if refuse is not None:
+            cmd.future.set_exception(RuntimeError(refuse.message))
+            return
+        try:
+            cmd.future.set_result(cmd.fn(self.engine))
+        except Exception as e:  # the caller gets it; the loop goes on
+            cmd.future.set_exception(e)
 
     def _add(self, cmd: _Add) -> None:
         try:

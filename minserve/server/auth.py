@@ -30,7 +30,8 @@ Keys file (JSON)::
 ``tenant`` (required; several keys may share one tenant, and then share its quota and its cache),
 ``priority_class`` (optional, default ``interactive``: the most urgent class the key may use; a
 ``batch`` key asking for ``interactive`` is served as ``batch``), ``admin`` (optional, default
-false: may read ``/metrics``). Keys given with ``--api-key`` are admin keys, each its own tenant.
+false: may read ``/metrics`` and reset the prefix cache, ``POST /reset_prefix_cache``). Keys
+given with ``--api-key`` are admin keys, each its own tenant.
 
 Keys are never logged or echoed in errors. The presented key is hashed and looked up by its
 SHA-256 digest, so no comparison ever runs over secret bytes (the lookup's timing can at most
@@ -53,6 +54,7 @@ from minserve.server.protocol import error_body
 
 PRINCIPAL_SCOPE_KEY = "minserve.principal"  # where the middleware leaves the caller for the handlers
 TOKENIZER_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")  # endpoints.py
+ADMIN_ROUTES = ("/reset_prefix_cache",)  # endpoints.py: they change what every tenant sees
 ENTRY_FIELDS = {"key", "key_sha256", "tenant", "priority_class", "admin"}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -134,7 +136,7 @@ class Auth:
     def protects(self, path: str) -> bool:
         # The tokenizer routes too (vLLM leaves them open): they run on the threads that prepare
         # every prompt, so an anonymous flood of them would delay the keyed clients' requests.
-        return (path.startswith("/v1") or path in TOKENIZER_ROUTES
+        return (path.startswith("/v1") or path in TOKENIZER_ROUTES or path in ADMIN_ROUTES
                 or (self.metrics_require_admin and path == "/metrics"))
 
     def refusal(self, path: str, principal: Principal | None) -> JSONResponse | None:
@@ -143,8 +145,8 @@ class Auth:
             body = error_body(401, "Unauthorized: send a valid API key as 'Authorization: Bearer "
                               "<key>'", code="invalid_api_key")
             return JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
-        if path == "/metrics" and not principal.admin:
-            return JSONResponse(error_body(403, "Forbidden: /metrics needs an admin API key",
+        if (path == "/metrics" or path in ADMIN_ROUTES) and not principal.admin:
+            return JSONResponse(error_body(403, f"Forbidden: {path} needs an admin API key",
                                            code="forbidden"), 403)
         return None
 

@@ -9,6 +9,10 @@
   lm-eval's ``local-completions`` looks for it and then tokenizes through ``/tokenize``, so it
   needs no tokenizer of its own (nor the Hugging Face hub).
 - ``GET /version``: ``{"version": ...}``; ``GET /v1/models/{id}``: the card, or a 404.
+- ``POST /reset_prefix_cache`` (vLLM's, there only in its dev mode): forget every cached prefix
+  block, so the next run starts cold (``minserve bench sweep`` calls it between runs). 200
+  ``{"reset": true}``; 409 while requests are in flight (blocks in use cannot be forgotten). With
+  API keys configured it needs an admin key (auth.py): a cold cache is felt by every tenant.
 
 Every GET route answers HEAD as well (status and headers, no body), as load balancers probe.
 Tokenizing is blocking work: it runs on the prepare pool, off the event loop, like prompts do.
@@ -25,6 +29,7 @@ from fastapi.responses import JSONResponse
 import minserve
 from minserve.server.protocol import (MAX_MESSAGES, ApiError, ChatMessage, TokenId, _Body, bounded,
                                       error_body)
+from minserve.server.async_engine import reset_prefix_cache
 from minserve.server.chat_template import chat_prompt_ids
 from minserve.server.limits import check_strings
 
@@ -133,6 +138,19 @@ def add_routes(app: FastAPI) -> None:
     @get_and_head(app, "/tokenizer_info")
     async def tokenizer_info_route(request: Request):
         return tokenizer_info(request.app.state.minserve.engine.tokenizer)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache_route(request: Request):
+        st = request.app.state.minserve
+        try:
+            done = await asyncio.wrap_future(st.async_engine.call(reset_prefix_cache))
+        except RuntimeError as e:  # the engine loop is not running
+            return JSONResponse(error_body(503, str(e)), status_code=503)
+        if not done:
+            return JSONResponse(error_body(409, "the prefix cache was not reset: requests are still "
+                                           "in flight; retry when they have finished",
+                                           code="requests_in_flight"), status_code=409)
+        return {"reset": True}
 
     @get_and_head(app, "/version")
     async def version():

@@ -32,8 +32,10 @@ ERROR_SCHEMA = {
 ERRORS = {
     "400": "Invalid request: the message names the field (`param`) and the allowed range",
     "401": "API keys are configured and the request carries no valid one",
-    "403": "/metrics needs an admin key (--metrics-require-admin, the default with keys)",
+    "403": "/metrics (--metrics-require-admin, the default with keys) and /reset_prefix_cache "
+           "need an admin key",
     "404": "The model is not the one this server serves",
+    "409": "Requests are in flight: the prefix cache can be reset only when the engine is idle",
     "413": "The body is larger than --max-request-body-bytes",
     "429": "Shed by admission (queue full, tenant quota, deadline predicted to be missed)",
     "503": "Draining, or the engine is not running",
@@ -50,6 +52,7 @@ ROUTE_ERRORS = {
     ("/tokenizer_info", "get"): ("401",),
     ("/health", "get"): ("503",),
     ("/metrics", "get"): ("401", "403"),
+    ("/reset_prefix_cache", "post"): ("401", "403", "409", "503"),
 }
 
 
