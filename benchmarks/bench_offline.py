@@ -107,12 +107,12 @@ def memory_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> dict:
     x = torch.ones(nbytes // 4, dtype=torch.float32)   # ones, not empty: pages must be touched
     x.sum()
     read_s = best_seconds(lambda: x.sum(), reps)
-    del x
+    x = None   # free 1 GiB before the copy buffers (the lambda above is done with it)
     src, dst = torch.ones(nbytes // 8), torch.zeros(nbytes // 8)   # half each: 1 GiB resident
     dst.copy_(src)
     copy_s = best_seconds(lambda: dst.copy_(src), reps)
     moved = 2 * src.numel() * 4   # every byte read once and written once
-    del src, dst
+    src = dst = None
     gc.collect()
     return {"read_GBps": nbytes / read_s / 1e9, "read_bytes": nbytes,
             "copy_GBps": moved / copy_s / 1e9, "copy_bytes_moved": moved, "reps": reps}

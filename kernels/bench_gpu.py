@@ -166,7 +166,7 @@ class Bench:
         self.result["copy_bandwidth_GBps"] = round(self.copy_gbps, 1)
         print(f"device-to-device copy of {n >> 20} MiB: {ms * 1e3:.0f} us, {self.copy_gbps:.0f} GB/s "
               "(read + write): the roofline below", flush=True)
-        del src, dst
+        src = dst = None   # free the buffers (closures above are done with them)
 
     def matmuls(self, dtypes, shapes, batches) -> None:
         torch, R = self.torch, self.k.reference
@@ -205,7 +205,7 @@ class Bench:
                     self.case(dict(kernel="w8a16", shape=shape, **base), w8)
                     self.case(dict(kernel="w4a16", shape=shape + f" g={group}", group=group, **base), w4)
                     self.case(dict(kernel="torch_linear", shape=shape, **base), dense)
-            del w, codes, scales, packed, g_scales, g_mins
+            w = codes = scales = packed = g_scales = g_mins = None   # free before the next shape
 
     def attention(self, dtypes, models, batches, contexts) -> None:
         torch = self.torch

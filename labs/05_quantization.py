@@ -458,7 +458,7 @@ def wave(llm, c):
 
 
 runs_fp = lab.run_sweep(FP32_SWEEP, lambda c: wave(engines["fp32"], c), title="fp32 KV")
-runs_8 = lab.run_sweep(SWEEP, lambda c: wave(kv8, c), title="int8 KV")
+runs_8 = lab.run_sweep(SWEEP, lambda c, kv8=kv8: wave(kv8, c), title="int8 KV")
 run_int4 = wave(engines["int4"], FP32_SWEEP[-1])
 table_fp = lab.pressure_table(runs_fp, memory.loc["fp32", "KV blocks"])
 table_8 = lab.pressure_table(runs_8, alloc8["num_blocks"])

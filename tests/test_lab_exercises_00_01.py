@@ -4,10 +4,8 @@ its reference solution agrees with the measurement; the labs' lessons are shown 
 shows them and not otherwise. Fast: synthetic frames shaped like the labs' own (numbers measured
 on the project's 2-core CPU with SmolLM2-135M, warm engine)."""
 
-import math
 from types import SimpleNamespace
 
-import numpy as np
 import pandas as pd
 import pytest
 

@@ -10,7 +10,6 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 
 from minserve import lab  # noqa: E402
-from minserve.lab import session  # noqa: E402
 from minserve.lab.presets import CI_ENV, PRESET_ENV, Preset  # noqa: E402
 
 

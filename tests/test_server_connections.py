@@ -6,7 +6,6 @@ Raw sockets throughout: what is under test is bytes on a connection, below any H
 import asyncio
 import contextlib
 import logging
-import os
 import resource
 import socket
 import subprocess

@@ -17,7 +17,6 @@ from minserve.models.registry import ModelConfig
 from minserve.models.tiny import TINY_CONFIG
 from minserve.plan import get_hardware, probe
 from minserve.workshop import doctor
-from minserve.workshop.prepare import prepare
 
 TINY = ModelConfig.from_hf(TINY_CONFIG)
 PER_TOKEN = 2 * 2 * 2 * 16 * 4  # tiny-llama in fp32: 2 x layers x kv_heads x head_dim x 4 bytes

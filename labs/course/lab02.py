@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # annotations only: pandas loads with the lab
+    import pandas as pd
 
 from minserve.lab.checks import ChoiceCheck, Mistake, NumberCheck, _fmt
 from minserve.lab.capacity import seat_use

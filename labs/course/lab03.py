@@ -66,8 +66,8 @@ def q2_peak_blocks(concurrency: int, prompt_tokens: int, output_tokens: int, blo
             Mistake("that counts the prompts only: every generated token is added to the cache too, "
                     "so the cache keeps growing until the answers end.",
                     value=C * blocks_needed(Pt, BS)),
-            Mistake(f"that rounds once for all requests together; blocks are not shared, so each "
-                    f"request rounds up its own last block.",
+            Mistake("that rounds once for all requests together; blocks are not shared, so each "
+                    "request rounds up its own last block.",
                     test=lambda a: _num(a) and a == blocks_needed(C * (Pt + O), BS) and a != C * per_seq),
             Mistake("that is a number of tokens; the question asks for blocks.",
                     test=lambda a: _num(a) and a in (C * (Pt + O), C * per_seq * BS)),

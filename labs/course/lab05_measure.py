@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import time
 from typing import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # annotations only
+    import pandas as pd
 
 import torch
 import torch.nn.functional as F

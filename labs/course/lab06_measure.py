@@ -7,9 +7,12 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:   # annotations only: the board module imports this one's results
+    from course.lab06_board import Board
 
 
 # ---- the counters ------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ __all__ = [
     "run_sweep", "run_workload", "scenario_requests", "text_of_length",
     "API_KEY_ENV", "TARGET_ENV", "RemoteLLM", "Target", "needs_engine", "current_target",
     "Calibration", "Load", "LoadProbe", "calibrate", "machine_load", "warm", "Lesson", "lesson", "summary",
+    "local_server", "prefix", "sidechannel", "traffic",
 ]
 
 # Labs 02 and 03: static vs continuous batching, load sweeps, KV-cache pressure (lab/capacity.py).

@@ -29,6 +29,10 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # annotations only: pandas is the lab extra's
+    import pandas
 _by_engine: dict[int, "LocalServer"] = {}
 _lock = threading.Lock()
 

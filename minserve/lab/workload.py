@@ -381,7 +381,6 @@ def _index_of(engine_id: str, order: int) -> int:
 
 def _engine_requests(engine, ids, requests, shift, steps):
     """The engine's request frame for this run (run-relative times) and per-request timelines."""
-    import pandas as pd
     wanted = set(ids)
     records = [r for r in list(engine.finished_requests) + list(engine.requests.values())
                if r.request_id in wanted]
