@@ -220,6 +220,22 @@ def test_an_inprocess_sweep_records_a_failing_bench_combination(tmp_path):
     assert not (cfg.output_dir / "plots").exists()
 
 
+def test_a_sweep_against_a_running_server_varies_only_bench_parameters(tmp_path):
+    from minserve.engine.llm_engine import LLMEngine
+    from minserve.server import create_app
+    eng = LLMEngine.from_engine_args("tiny-llama", max_num_seqs=2, max_num_batched_tokens=256, num_kv_blocks=64)
+    with live_server(create_app(eng)) as base:
+        cfg = config(tmp_path, None, '[{"request_rate": 30}, {"request_rate": 60}]', num_runs=1,
+                     base_url=base, plots=False)
+        df = run_sweep(cfg)
+        assert list(df.status) == ["ok", "ok"] and sorted(df.request_rate) == [30.0, 60.0]
+        m = json.loads(Path(df.file.iloc[0]).read_text())["manifest"]
+        assert m["server"]["kind"] == "external" and m["server"]["base_url"] == base
+        assert m["server"]["prefix_cache_reset"] is True and m["engine"] is None
+        bad = run_sweep(config(tmp_path / "b", '[{"max_num_seqs": 4}]', None, num_runs=1, base_url=base, plots=False))
+        assert list(bad.stage) == ["server start"] and "server parameters cannot vary" in bad.reason.iloc[0]
+
+
 # ---- the results as frames ---------------------------------------------------------------------
 
 def frame(points) -> pd.DataFrame:

@@ -252,8 +252,8 @@ class _Runner:
                       if k not in ("request_rate", "burstiness", "seed", "max_concurrency")}
             result = run_inprocess(self.engine, requests, opts.request_rate, opts.burstiness,
                                    opts.seed, opts.max_concurrency, workload=workload, **fields)
-            if server:
-                result.manifest["server"] = server
+            if server:  # the sweep's account of the target (the engine's config is already there)
+                result.manifest["server"] = {k: v for k, v in server.items() if k != "engine"}
             return result
         from minserve.bench.client import run_http
         load = LoadSampler(pids).start()
