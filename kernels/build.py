@@ -26,7 +26,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from minserve.config import cache_dir
+from minserve.paths import cache_dir
 
 SOURCE_DIR = Path(__file__).resolve().parent  # <name>.c beside build.py, wherever the package is
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast",

@@ -31,7 +31,7 @@ import ctypes
 import torch
 
 from minserve.kernels.build import KernelUnavailable, load
-from minserve.models.weights import DENSE
+from minserve.kernels.formats import DENSE
 
 _f32p = ctypes.POINTER(ctypes.c_float)
 _i64p = ctypes.POINTER(ctypes.c_int64)

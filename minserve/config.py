@@ -8,13 +8,12 @@ written for minserve keeps working when it is pointed at vLLM.
 from __future__ import annotations
 
 import json
-import os
 import re
-from pathlib import Path
 from dataclasses import dataclass, fields
 
 import torch
 
+from minserve.paths import cache_dir  # noqa: F401  (its home is minserve/paths.py)
 from minserve.spec.config import parse_speculative_config
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -31,13 +30,6 @@ KV_CACHE_DTYPES = ("auto", "int8")
 
 # The KV pool of a CPU engine when neither num_kv_blocks nor kv_cache_memory is given.
 DEFAULT_CPU_KV_CACHE_MEMORY = "1GiB"
-
-
-def cache_dir() -> Path:
-    """Where converted models, compiled kernels and machine probes live: ``$MINSERVE_CACHE``, else
-    ``~/.cache/minserve`` (read at each call, so a test or ``minserve prepare`` can redirect it).
-    An empty ``MINSERVE_CACHE=`` counts as unset: it must not become the current directory."""
-    return Path(os.environ.get("MINSERVE_CACHE") or Path.home() / ".cache" / "minserve")
 
 
 def parse_bytes(value: int | str, field: str = "kv_cache_memory") -> int:

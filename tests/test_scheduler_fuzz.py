@@ -58,7 +58,7 @@ class FakeRunner:
                 self.slots[self._slot(table, p)] = tok
         for s in sched.scheduled:
             req = s.request
-            if not s.samples:
+            if not s.needs_sampling:
                 continue
             true = self.truth[req.request_id]
             n_out = req.num_output_tokens
@@ -75,6 +75,17 @@ def append_until_max_tokens(req: Request, tokens: list) -> tuple[int, RequestSta
         if req.num_output_tokens >= req.max_tokens:
             return i + 1, RequestStatus.FINISHED_LENGTH
     return len(tokens), None
+
+
+def book(sched: Scheduler, out, ran: ModelRunnerOutput):
+    """What the engine does after a step, with the output processor replaced by
+    append_until_max_tokens: the scheduler books, the tokens are appended, the scheduler settles."""
+    update = sched.update_from_output(out, ran)
+    for a in update.accepted:
+        for record in [a] + a.forks:
+            record.keep(*append_until_max_tokens(record.request, record.tokens))
+    sched.settle(update)
+    return update
 
 
 class World:
@@ -125,7 +136,7 @@ class World:
     def step(self) -> None:
         out = self.sched.schedule()
         assert not out.failed
-        update = self.sched.update_from_output(out, self.runner.execute(out), append_until_max_tokens)
+        update = book(self.sched, out, self.runner.execute(out))
         assert not update.failed, update.failed
         for req, status in update.finished:
             self.sched.finish(req, status)
@@ -188,17 +199,15 @@ def test_rollback_trims_the_table_and_frees_emptied_blocks():
     sched = Scheduler(EngineConfig(model="tiny-llama", block_size=BLOCK), kv, max_model_len=100)
     req = Request("a", None, list(range(7)), SamplingParams(max_tokens=20), 0.0, 20, [])
     sched.add(req)
-    sched.update_from_output(sched.schedule(), ModelRunnerOutput({"a": [SampledToken(9, None, None)]}),
-                             append_until_max_tokens)
+    book(sched, sched.schedule(), ModelRunnerOutput({"a": [SampledToken(9, None, None)]}))
     assert req.num_computed_tokens == 7 and req.num_tokens == 8
     req.spec_token_ids = [1, 2, 3, 4, 5, 6]          # 8 + 6 tokens: 4 blocks of 4
     out = sched.schedule()
     assert out.scheduled[0].num_new_tokens == 7 and len(kv.block_tables["a"]) == 4
     assert out.num_decode_tokens == 7 and out.num_prefill_tokens == 0
     # The model keeps the first proposal and adds its own token: 5 proposals are rolled back.
-    update = sched.update_from_output(out, ModelRunnerOutput({"a": [SampledToken(1, None, None),
-                                                                  SampledToken(8, None, None)]}),
-                                      append_until_max_tokens)
+    update = book(sched, out, ModelRunnerOutput({"a": [SampledToken(1, None, None),
+                                                                  SampledToken(8, None, None)]}))
     assert update.num_accepted_spec_tokens == 1 and update.num_rejected_spec_tokens == 5
     assert req.output_token_ids == [9, 1, 8] and req.num_computed_tokens == 9
     assert len(kv.block_tables["a"]) == 3           # 10 tokens need 3 blocks; the 4th is free again
@@ -213,9 +222,8 @@ def test_verify_step_is_never_split_and_respects_max_tokens():
     sched = Scheduler(cfg, kv, max_model_len=100)
     req = Request("a", None, [1, 2, 3], SamplingParams(max_tokens=3), 0.0, 3, [])
     sched.add(req)
-    sched.update_from_output(sched.schedule(), ModelRunnerOutput({"a": [SampledToken(4, None, None)]}),
-                             append_until_max_tokens)
+    book(sched, sched.schedule(), ModelRunnerOutput({"a": [SampledToken(4, None, None)]}))
     req.spec_token_ids = [5, 6, 7, 8, 9]
     s = sched.schedule().scheduled[0]
     # 2 more tokens may come out (max_tokens 3): one proposal plus the model's own token.
-    assert s.spec_token_ids == [5] and s.num_new_tokens == 2 and s.samples and not s.is_prefill
+    assert s.spec_token_ids == [5] and s.num_new_tokens == 2 and s.needs_sampling and not s.is_prefill

@@ -21,7 +21,7 @@ log = logging.getLogger("minserve")
 
 def execute_isolating_faults(runner, kv, sched: SchedulerOutput) -> ModelRunnerOutput:
     """``runner.execute(sched, kv)``; if it raises, every request of the step alone."""
-    rngs = {r.request_id: r.generator.get_state() for s in sched.scheduled if s.samples
+    rngs = {r.request_id: r.generator.get_state() for s in sched.scheduled if s.needs_sampling
             for r in (s.request, *s.forks) if r.generator is not None}
     try:
         return _runner_output(runner.execute(sched, kv))

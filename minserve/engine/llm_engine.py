@@ -35,7 +35,7 @@ from minserve.engine.penalties import PreparedControls
 from minserve.engine.request import Request, RequestRecord, RequestStatus
 from minserve.engine.sampler import make_generator
 from minserve.engine.scheduler import Scheduler
-from minserve.engine.step_io import ModelRunnerOutput
+from minserve.engine.step_io import ModelRunnerOutput, StepUpdate
 from minserve.engine.stats import StepStats
 from minserve.metrics import EngineMetrics, requests_frame, steps_frame
 from minserve.models.loader import LoadedModel, load_model
@@ -259,7 +259,9 @@ class LLMEngine(EngineExtensions):
                 self.metrics.record_step(self._record_step(t0, sched, 0), [], finished)
             return outputs
         ran = self._execute(sched)
-        update = self.scheduler.update_from_output(sched, ran, self._append_tokens)
+        update = self.scheduler.update_from_output(sched, ran)
+        self._append_accepted(update)
+        self.scheduler.settle(update)
         for req, status in update.finished:
             self._retire(req, status)
             finished.append(req)
@@ -302,9 +304,20 @@ class LLMEngine(EngineExtensions):
     def _execute(self, sched) -> ModelRunnerOutput:
         return execute_isolating_faults(self.runner, self.kv, sched)
 
+    def _append_accepted(self, update: StepUpdate) -> None:
+        """Hand each request's accepted tokens (and its forked samples') to the output processor;
+        a request whose appending raises fails alone (with the samples forked off it)."""
+        for a in update.accepted:
+            try:
+                for record in [a] + a.forks:
+                    record.keep(*self._append_tokens(record.request, record.tokens))
+            except Exception as e:  # its text or stop checks failed: it fails, the others go on
+                a.error = f"{type(e).__name__}: {e}"
+                update.failed.append((a.request, a.error))
+
     def _append_tokens(self, req: Request, tokens: list) -> tuple[int, RequestStatus | None]:
-        """The scheduler's token consumer: append accepted tokens one by one (text, stop checks);
-        a stop drops the tokens after it. Returns how many were kept and the finished status."""
+        """Append accepted tokens one by one (text, stop checks); a stop drops the tokens after
+        it. Returns how many were kept and the finished status."""
         now = time.perf_counter()
         for i, tok in enumerate(tokens):
             status = self.output_processor.append_token(req, tok.token_id, tok.logprobs, tok.rank, now)

@@ -32,8 +32,7 @@ from minserve.config import EngineConfig
 from minserve.engine.logits_batch import processor_rows
 from minserve.engine.kv_cache import KVCacheManager, KVCacheSpec, LayerKV, allocate_kv_tensors, allocate_layer_kv
 from minserve.engine.memory import DeviceMemory, DeviceMemoryReader, measure_device_memory, snapshot
-from minserve.engine.penalties import needs_output_ids
-from minserve.engine.sampler import Sampler, SamplingBatch
+from minserve.engine.sampler import Sampler, SamplingBatch, banned_tokens
 from minserve.engine.step_io import ModelRunnerOutput, SampledToken, SchedulerOutput
 from minserve.engine.threads import CpuLoadHint, ThreadController, adaptive_threads_enabled
 from minserve.kernels.build import KernelUnavailable
@@ -42,7 +41,7 @@ from minserve.models.layers import RotaryEmbedding
 from minserve.models.llama import LlamaForCausalLM
 from minserve.models.loader import LoadedModel
 from minserve.models.registry import ModelRegistry
-from minserve.plan.budget import kv_budget_within
+from minserve.engine.kv_sizing import kv_budget_within
 from minserve.quant.schemes import apply_quantization
 from minserve.quant.sizes import WeightFootprint, model_footprint
 from minserve.sampling_params import SamplingParams
@@ -240,11 +239,12 @@ class ModelRunner:
         and generator, in order), then the proposals each request keeps (spec/verify.py). A
         request fails when a row its tokens come from had nothing to sample (Sampler's
         ``failed_rows``); a verify row after the first rejection is never used, so it does not."""
-        sampling = [s for s in sched.scheduled if s.samples]
+        sampling = [s for s in sched.scheduled if s.needs_sampling]
         if not sampling:
             return ModelRunnerOutput()
         reqs = [s.request for s in sampling for _ in range(s.num_logits_rows)]
-        banned = [_banned_tokens(s.request, i) for s in sampling for i in range(s.num_logits_rows)]
+        # Per row, the proposals a verify step puts before it (they count as its output so far).
+        before = [s.spec_token_ids[:i] for s in sampling for i in range(s.num_logits_rows)]
         # Parallel sampling: samples forked off a request in this step each draw their first
         # token from its last row (rows appended after the others, which keep their indices).
         forks = [child for s in sampling for child in s.forks]
@@ -252,16 +252,13 @@ class ModelRunner:
             ends = itertools.accumulate(s.num_logits_rows for s in sampling)
             logits = torch.cat([logits, logits[[end - 1 for s, end in zip(sampling, ends) for _ in s.forks]]])
             reqs += forks
-            banned += [_banned_tokens(child) for child in forks]
-        before = [s.spec_token_ids[:i] for s in sampling for i in range(s.num_logits_rows)] + [[]] * len(forks)
+            before += [[]] * len(forks)
         if self.logits_tap is not None:
             self.logits_tap(reqs, logits)
         procs = self.logits_processors
         if procs is not None:
             procs.update(processor_rows(reqs, before))
-        out = self.sampler(logits, SamplingBatch(
-            params=[r.params for r in reqs], generators=[r.generator for r in reqs],
-            banned_token_ids=banned, logits_processors=procs, **_logits_controls(reqs, before, self.grammar)))
+        out = self.sampler(logits, SamplingBatch.for_requests(reqs, before, self.grammar, procs))
         # Rows that asked for no logprobs get None (the sampler gives them [] when others asked).
         drawn = [SampledToken(out.token_ids[i], out.logprobs[i] or None if out.logprobs is not None else None,
                               out.ranks[i] if out.ranks is not None else None) for i in range(len(reqs))]
@@ -278,7 +275,7 @@ class ModelRunner:
                 target = out.controlled_logits if out.controlled_logits is not None else logits
                 tokens = verify_with_draft(
                     target[row - s.num_logits_rows:row], req.params,
-                    [_banned_tokens(req, i) for i in range(s.num_logits_rows)], s.spec_token_ids, q,
+                    [banned_tokens(req, i) for i in range(s.num_logits_rows)], s.spec_token_ids, q,
                     req.generator if req.generator is not None else self.sampler.default_generator,
                     raw=logits[row - s.num_logits_rows:row])
             else:
@@ -349,7 +346,7 @@ def _log_weights(now: WeightFootprint, dense: WeightFootprint, config: EngineCon
 
 def _resolve_memory_budget(config: EngineConfig, weights: WeightFootprint) -> None:
     """``memory_budget`` -> ``kv_cache_memory`` = budget - resident weight bytes (the planner's
-    formula: minserve.plan.budget.kv_budget_within), before the engine plans its KV pool."""
+    formula: engine/kv_sizing.kv_budget_within), before the engine plans its KV pool."""
     if config.memory_budget_bytes is None:
         return
     kv = kv_budget_within(config.memory_budget_bytes, weights.resident_bytes, config.quant_scheme.label()
@@ -448,34 +445,3 @@ def _triton_decode_backend(model_config, config: EngineConfig, device: torch.dev
 def _batch_bucket(batch: int) -> int:
     """Batch sizes whose steps cost about the same: exact up to 4, then powers of two."""
     return batch if batch <= 4 else 1 << (batch - 1).bit_length()
-
-
-def _logits_controls(reqs: list, proposed_before: list[list[int]], grammar) -> dict:
-    """SamplingBatch's fields for penalties, bad words and grammars, filled only for the rows that
-    use them (a plain batch builds nothing). ``proposed_before``: per row, the proposals a verify
-    step puts before it, which count as output for that row's penalties."""
-    fields = {}
-    if any(needs_output_ids(r.params) for r in reqs):
-        fields["output_token_ids"] = [r.output_token_ids + ahead if needs_output_ids(r.params) else None
-                                      for r, ahead in zip(reqs, proposed_before)]
-        fields["prompt_token_ids"] = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else None
-                                      for r in reqs]
-    rows = [i for i, r in enumerate(reqs) if r.params.structured_outputs is not None]
-    if rows:
-        # The matcher only knows final tokens; proposals are never made for such requests.
-        if any(proposed_before[i] for i in rows):
-            raise ValueError("structured_outputs requests take no speculative proposals")
-        fields["grammar_rows"] = rows
-        fields["grammar_bitmask"] = grammar.fill_bitmask([reqs[i] for i in rows])
-    return fields
-
-
-def _banned_tokens(req, ahead: int = 0) -> list[int]:
-    """Until ``min_tokens`` are out, the tokens that would stop the request may not be sampled
-    (``ahead``: the row's place in a verify step, i.e. outputs it has before that row)."""
-    if len(req.output_token_ids) + ahead >= req.params.min_tokens:
-        return []
-    stops = list(req.params.stop_token_ids)
-    if not req.params.ignore_eos:
-        stops += req.eos_token_ids
-    return stops

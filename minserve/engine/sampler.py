@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from minserve.engine.penalties import apply_logits_controls
+from minserve.engine.penalties import apply_logits_controls, needs_output_ids
 from minserve.sampling_params import SamplingParams
 
 # Top-p rows without top-k look for their nucleus among this many best tokens first (exact: rows
@@ -62,6 +62,43 @@ class SamplingBatch:
     # The engine's custom logits processors, bound to this batch's rows (engine/logits_batch.py):
     # called as ``logits_processors(logits, params)``, returns a processed copy. None: none run.
     logits_processors: Callable[[torch.Tensor, list[SamplingParams]], torch.Tensor] | None = None
+
+    @classmethod
+    def for_requests(cls, reqs: list, proposed_before: list[list[int]], grammar=None,
+                     logits_processors=None) -> "SamplingBatch":
+        """The batch for logits rows drawn for ``reqs`` (one request per row, a request once per
+        row it owns): each row's params, generator and :func:`banned_tokens`, and the fields of the
+        logits controls, built only for the rows that use them (a plain batch builds nothing).
+        ``proposed_before``: per row, the proposals a verify step puts before it, which count as
+        output for that row's bans and penalties. ``grammar``: the engine's GrammarBackend, which
+        fills the bitmask of grammar-constrained rows."""
+        batch = cls(params=[r.params for r in reqs], generators=[r.generator for r in reqs],
+                    banned_token_ids=[banned_tokens(r, len(ahead)) for r, ahead in zip(reqs, proposed_before)],
+                    logits_processors=logits_processors)
+        if any(needs_output_ids(r.params) for r in reqs):
+            batch.output_token_ids = [r.output_token_ids + ahead if needs_output_ids(r.params) else None
+                                      for r, ahead in zip(reqs, proposed_before)]
+            batch.prompt_token_ids = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else None
+                                      for r in reqs]
+        rows = [i for i, r in enumerate(reqs) if r.params.structured_outputs is not None]
+        if rows:
+            # The matcher only knows final tokens; proposals are never made for such requests.
+            if any(proposed_before[i] for i in rows):
+                raise ValueError("structured_outputs requests take no speculative proposals")
+            batch.grammar_rows = rows
+            batch.grammar_bitmask = grammar.fill_bitmask([reqs[i] for i in rows])
+        return batch
+
+
+def banned_tokens(req, ahead: int = 0) -> list[int]:
+    """Until ``min_tokens`` are out, the tokens that would stop the request may not be sampled
+    (``ahead``: the row's place in a verify step, i.e. outputs it has before that row)."""
+    if len(req.output_token_ids) + ahead >= req.params.min_tokens:
+        return []
+    stops = list(req.params.stop_token_ids)
+    if not req.params.ignore_eos:
+        stops += req.eos_token_ids
+    return stops
 
 
 @dataclass
@@ -128,7 +165,7 @@ class Sampler:
             if greedy_rows:
                 tokens[greedy_rows] = _greedy(work[greedy_rows], [banned[i] for i in greedy_rows])
             sub = work[random_rows]  # advanced indexing copies: safe to modify in place
-            _ban_(sub, [banned[i] for i in random_rows])
+            ban_tokens_(sub, [banned[i] for i in random_rows])
             tokens[random_rows] = self._sample(
                 sub, [params[i] for i in random_rows], [batch.generators[i] for i in random_rows])
 
@@ -137,7 +174,7 @@ class Sampler:
         if all(p.logprobs is None for p in params):
             return SamplerOutput(token_ids=token_list, logprobs=None, ranks=None, controlled_logits=controlled,
                                  failed_rows=failed)
-        logprobs, ranks = _gather_logprobs(raw, tokens, params)
+        logprobs, ranks = gather_logprobs(raw, tokens, params)
         return SamplerOutput(token_ids=token_list, logprobs=logprobs, ranks=ranks, controlled_logits=controlled,
                              failed_rows=failed)
 
@@ -147,8 +184,8 @@ class Sampler:
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
                              device=logits.device)
         logits.div_(temps.unsqueeze(1))
-        _apply_min_p(logits, params)
-        _apply_top_k_top_p(logits, params)
+        apply_min_p(logits, params)
+        apply_top_k_top_p(logits, params)
         probs = logits.softmax(dim=-1)
         q = self._exponentials(probs, generators)
         # No renormalization needed anywhere above: the race is invariant to scaling a row.
@@ -205,8 +242,10 @@ def _check_batch(logits: torch.Tensor, batch: SamplingBatch) -> None:
         raise ValueError("batch.grammar_bitmask must have one packed row per entry of batch.grammar_rows")
 
 
-def _ban_(logits: torch.Tensor, banned: list[list[int]]) -> None:
-    """In place: banned ids -> -inf (so they get probability 0 and never win an argmax)."""
+def ban_tokens_(logits: torch.Tensor, banned: list[list[int]]) -> None:
+    """In place: in row ``i`` of ``logits`` [R, V], the ids ``banned[i]`` -> -inf (so they get
+    probability 0 and never win an argmax). Step 4 of the module's order; speculative
+    verification (spec/verify.py) applies it to the target rows the same way."""
     rows = [i for i, ids in enumerate(banned) for _ in ids]
     if rows:
         logits[rows, [t for ids in banned for t in ids]] = float("-inf")
@@ -221,7 +260,7 @@ def _greedy(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
     redo = [i for i, t in enumerate(tokens.tolist()) if banned[i] and t in banned[i]]
     if redo:
         sub = logits[redo]
-        _ban_(sub, [banned[i] for i in redo])
+        ban_tokens_(sub, [banned[i] for i in redo])
         tokens[redo] = _argmax_rows(sub)
     return tokens
 
@@ -236,8 +275,9 @@ def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
-    """In place: set to -inf the tokens outside each row's top-k, then outside its top-p nucleus.
+def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """In place: set to -inf the tokens outside each row's top-k, then outside its top-p nucleus
+    (row ``j`` by ``params[j]``).
 
     A full sort of [R, V] costs ~25x a ``topk`` of 1024 on CPU, so rows are processed in a window
     of their best tokens: exactly ``top_k`` of them when top-k is on, else ``NUCLEUS_WINDOW``
@@ -297,8 +337,8 @@ def _truncate_rows(logits: torch.Tensor, rows: list[int], window: int, is_top_k:
     return [rows[i] for i in range(len(rows)) if i not in kept]
 
 
-def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
-    """In place: drop tokens whose probability is below ``min_p * max(prob)`` in each row that
+def apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """In place, row ``j`` by ``params[j]`` (temperature already applied): drop tokens whose probability is below ``min_p * max(prob)`` in each row that
     sets min_p. In logit space that is ``logit < max_logit + log(min_p)``: no softmax needed."""
     rows = [j for j, p in enumerate(params) if p.min_p > 0.0]
     if not rows:
@@ -309,9 +349,12 @@ def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     logits[rows] = sub.masked_fill_(sub < threshold, float("-inf"))
 
 
-def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
-                     ) -> tuple[list[list[tuple[int, float]]], list[int]]:
-    """Sampled-token logprob + top-N from the raw distribution, and the sampled token's rank."""
+def gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+                    ) -> tuple[list[list[tuple[int, float]]], list[int]]:
+    """From the raw logits ``raw`` [R, V] and each row's chosen token ``tokens`` [R]: per row that
+    asks for logprobs (``params[i].logprobs``), ``[(token, logprob), then the top-N (id, logprob)
+    best first]`` ([] for the others), and every row's rank of its token (1 = most likely). The
+    layout of :class:`SamplerOutput` and of ``SampledToken``."""
     chosen = raw.gather(1, tokens.unsqueeze(1))
     # Rank from the raw logits: log_softmax is monotone, so this is the rank in the distribution,
     # and comparing logits avoids a softmax over rows that did not ask for logprobs.

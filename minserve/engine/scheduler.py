@@ -44,18 +44,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable
 
 from minserve.config import EngineConfig
 from minserve.engine.kv_cache import KVCacheManager
 from minserve.engine.request import Request, RequestStatus
 from minserve.engine.scheduling_policy import SortedQueue, make_scheduling_policy, priority_key  # noqa: F401
-from minserve.engine.step_io import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepUpdate
-
-# The engine's token consumer: appends accepted tokens to a request (text, stop checks) and returns
-# how many it kept and the finished status if one of them ended the request.
-AppendTokens = Callable[[Request, list], "tuple[int, RequestStatus | None]"]
-
+from minserve.engine.step_io import (AcceptedTokens, ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
+                                     StepUpdate)
 
 # The priority policy's queue under its older name (tests and notebooks import it from here).
 PriorityQueue = SortedQueue
@@ -120,7 +115,7 @@ class Scheduler:
         seats = self.config.max_num_seqs - len(self.running)
         for s in out.scheduled:
             req = s.request
-            if not (s.samples and req.unforked_samples):
+            if not (s.needs_sampling and req.unforked_samples):
                 continue
             # A sample aborted on its own before the fork stays out.
             s.forks = [child for child in req.unforked_samples if not child.finished]
@@ -272,14 +267,19 @@ class Scheduler:
         return True
 
     # ---- after the step -------------------------------------------------------------------
+    #
+    # Booking a step takes two calls with the engine's output processor between them, so that
+    # nothing calls back from here into the engine:
+    #   update = scheduler.update_from_output(sched, out)   # counts move, proposals roll back
+    #   for a in update.accepted: a.keep(*output_processor(a.request, a.tokens))
+    #   scheduler.settle(update)                              # blocks published, forks started
 
-    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput,
-                           append: AppendTokens) -> StepUpdate:
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> StepUpdate:
         """Book a step's results: the one place where token counts move. For each request:
-        advance ``num_computed_tokens`` by what was computed, roll back the rejected proposals,
-        hand the accepted tokens to ``append`` (the engine's output processor), then publish the
-        blocks now full of final tokens to the prefix cache. A request that raises here fails
-        alone (listed in ``failed``); finished ones are listed for the engine to retire."""
+        advance ``num_computed_tokens`` by what was computed, roll back the rejected proposals
+        and list the accepted tokens in ``update.accepted`` (with the samples forked off it),
+        for the engine to append and stop-check. A request that raises here fails alone (listed
+        in ``failed``). :meth:`settle` finishes the booking once the tokens are appended."""
         update = StepUpdate()
         for s in sched.scheduled:
             req = s.request
@@ -288,14 +288,32 @@ class Scheduler:
                 update.failed.append((req, why))
                 continue
             try:
-                self._book(s, out.sampled.get(req.request_id, []), append, update)
-                if s.forks:
-                    self._book_forks(s, out.sampled, append, update)
+                tokens = out.sampled.get(req.request_id, [])
+                self._book_computed(s, tokens, update)
+                forks = [AcceptedTokens(child, out.sampled[child.request_id]) for child in s.forks]
+                update.accepted.append(AcceptedTokens(req, tokens, forks, s.num_seated_forks,
+                                                      s.request.timeline.scheduled_s[0] if forks else None))
             except Exception as e:  # its own data or output: it fails, the others go on
                 update.failed.append((req, f"{type(e).__name__}: {e}"))
         return update
 
-    def _book(self, s: ScheduledRequest, tokens: list, append: AppendTokens, update: StepUpdate) -> None:
+    def settle(self, update: StepUpdate) -> None:
+        """After the engine appended each request's accepted tokens (``AcceptedTokens.keep``):
+        drop the K/V of tokens a stop cut off, publish the blocks now full of final tokens to the
+        prefix cache, start the forked samples, and list who got tokens (``appended``) and who
+        finished (``finished``, for the engine to retire). A record whose appending failed
+        (``error`` set) is skipped: the engine fails that request."""
+        for a in update.accepted:
+            if a.error is not None:
+                continue
+            try:
+                self._settle_one(a, update)
+                if a.forks:
+                    self._start_forks(a, update)
+            except Exception as e:
+                update.failed.append((a.request, f"{type(e).__name__}: {e}"))
+
+    def _book_computed(self, s: ScheduledRequest, tokens: list, update: StepUpdate) -> None:
         req = s.request
         req.num_computed_tokens += s.num_new_tokens
         if s.spec_token_ids:
@@ -307,33 +325,32 @@ class Scheduler:
             req.num_spec_accepted += len(tokens) - 1
             self.rollback(req, rejected)
         req.spec_token_ids = []
-        status = None
-        if tokens:
-            kept, status = append(req, tokens)
-            update.appended.append((req, kept))
+
+    def _settle_one(self, a: AcceptedTokens, update: StepUpdate) -> None:
+        req = a.request
+        if a.tokens:
+            update.appended.append((req, a.num_kept))
             # A stop inside the accepted tokens drops the rest: their K/V is not the request's.
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
         self.kv.cache_full_blocks(req)
-        if status is not None:
-            update.finished.append((req, status))
+        if a.status is not None:
+            update.finished.append((req, a.status))
 
-    def _book_forks(self, s: ScheduledRequest, sampled: dict, append: AppendTokens,
-                    update: StepUpdate) -> None:
-        """Start the samples forked off ``s.request`` in this step, each with the token it drew
+    def _start_forks(self, a: AcceptedTokens, update: StepUpdate) -> None:
+        """Start the samples forked off ``a.request`` in this step, each with the token it drew
         from the shared logits: seated ones run on with the prompt's K/V in place (shared blocks
         and their copy), the others wait at the front of the queue to recompute it."""
         waiting = []
-        for i, child in enumerate(s.forks):
-            seated = i < s.num_seated_forks
-            child.timeline.scheduled_s.append(s.request.timeline.scheduled_s[0])
+        for i, fork in enumerate(a.forks):
+            child, seated = fork.request, i < a.num_seated_forks
+            child.timeline.scheduled_s.append(a.scheduled_s)
             child.status = RequestStatus.RUNNING if seated else RequestStatus.PREEMPTED
             if seated:
                 child.num_computed_tokens = child.prefill_end = child.num_prompt_tokens
                 self.running.append(child)
-            kept, status = append(child, sampled[child.request_id])
-            update.appended.append((child, kept))
-            if status is not None:
-                update.finished.append((child, status))
+            update.appended.append((child, fork.num_kept))
+            if fork.status is not None:
+                update.finished.append((child, fork.status))
             elif not seated:
                 waiting.append(child)
         for child in reversed(waiting):  # appendleft: keep index order at the front

@@ -1,7 +1,8 @@
 """The step contract: what the scheduler asks for, and what the model runner gives back.
 
 One engine step is ``schedule() -> SchedulerOutput -> ModelRunner.execute() -> ModelRunnerOutput ->
-Scheduler.update_from_output()``, vLLM v1's shape. The records are plain data so a fake runner can
+Scheduler.update_from_output()`` (then the engine's output processor appends the accepted tokens and
+``Scheduler.settle()`` publishes their blocks), vLLM v1's shape. The records are plain data so a fake runner can
 stand in for the model (tests/test_scheduler_fuzz.py drives the real scheduler and KV manager
 through thousands of random steps that way).
 
@@ -27,7 +28,7 @@ class ScheduledRequest:
     num_new_tokens: int     # tokens computed for it this step, proposals included
     context_len: int        # tokens already in its KV cache before this step
     spec_token_ids: list[int] = field(default_factory=list)  # proposals verified in this step
-    samples: bool = False   # reaches the end of its known tokens, so tokens are sampled
+    needs_sampling: bool = False  # reaches the end of its known tokens, so tokens are sampled
     is_prefill: bool = False
     # Parallel sampling (engine/parallel_sampling.py): the request's other samples, forked off it
     # in this step (its prompt ends here), each drawing its first token from this request's last
@@ -41,13 +42,13 @@ class ScheduledRequest:
     def __post_init__(self) -> None:
         # Fixed at scheduling time: after the step the request has grown by the sampled tokens.
         req, end = self.request, self.context_len + self.num_new_tokens
-        self.samples = end == req.num_tokens + len(self.spec_token_ids)
+        self.needs_sampling = end == req.num_tokens + len(self.spec_token_ids)
         self.is_prefill = self.context_len < req.prefill_end
 
     @property
     def num_logits_rows(self) -> int:
         """Rows whose logits are needed: the last token's, and one per proposal."""
-        return 1 + len(self.spec_token_ids) if self.samples else 0
+        return 1 + len(self.spec_token_ids) if self.needs_sampling else 0
 
 
 @dataclass
@@ -99,10 +100,32 @@ class ModelRunnerOutput:
 
 
 @dataclass
+class AcceptedTokens:
+    """One request's tokens from a step, as :meth:`Scheduler.update_from_output` accepted them
+    (1 for a decode or the end of a prefill; 1..k+1 after verification), with the samples forked
+    off it in this step. The engine's output processor appends them and records here, through
+    :meth:`keep`, how many it kept (a stop may cut a verify step's list short) and the finished
+    status if one of them ended the request; :meth:`Scheduler.settle` acts on that."""
+    request: Request
+    tokens: list[SampledToken]
+    forks: list["AcceptedTokens"] = field(default_factory=list)
+    num_seated_forks: int = 0          # the first forks got a seat (ScheduledRequest's count)
+    scheduled_s: float | None = None   # when the parent was first scheduled (the forks' too)
+    num_kept: int = 0
+    status: object = None              # RequestStatus once finished
+    error: str | None = None           # appending failed: the request fails, nothing is settled
+
+    def keep(self, num_kept: int, status) -> None:
+        self.num_kept, self.status = num_kept, status
+
+
+@dataclass
 class StepUpdate:
-    """What :meth:`Scheduler.update_from_output` did with a step's results."""
-    # Requests that received tokens, with how many were appended (a stop may cut a verify step's
-    # accepted list short).
+    """What :meth:`Scheduler.update_from_output` and :meth:`Scheduler.settle` did with a step's
+    results."""
+    # Requests that computed tokens and sampled some, in step order (update_from_output).
+    accepted: list[AcceptedTokens] = field(default_factory=list)
+    # Requests that received tokens, with how many were appended (settle).
     appended: list[tuple[Request, int]] = field(default_factory=list)
     finished: list[tuple[Request, object]] = field(default_factory=list)  # (request, RequestStatus)
     failed: list[tuple[Request, str]] = field(default_factory=list)       # (request, why)

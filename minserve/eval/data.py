@@ -21,6 +21,8 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
+from minserve.paths import dataset_path  # its home; still importable from here
+
 # A fixed three-shot prompt: a 135M instruct model answers in one word after it, where a bare
 # question (or its chat template) gets a whole sentence that no exact match can score.
 FEWSHOT = ("Answer each question with a single word or number.\n\n"
@@ -42,18 +44,6 @@ class Question:
     @property
     def prompt(self) -> str:
         return f"{FEWSHOT}Question: {self.question}\nAnswer:"
-
-
-def dataset_path(*parts: str) -> Path:
-    """A path under the data that ships with minserve: the repository's ``datasets/`` in a checkout,
-    ``minserve/datasets/`` in an installed wheel (pyproject.toml maps the one to the other, as it
-    does kernels/). A checkout's own copy wins, as for the kernels; ``eval/prose.jsonl`` marks the
-    directory as ours (Hugging Face's ``datasets`` package may sit beside an installed minserve)."""
-    package = Path(__file__).resolve().parents[1]
-    for root in (package.parent / "datasets", package / "datasets"):
-        if (root / "eval" / "prose.jsonl").is_file():
-            return root.joinpath(*parts)
-    return (package / "datasets").joinpath(*parts)   # missing: the readers' errors name this path
 
 
 def default_data_dir() -> Path:

@@ -46,6 +46,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+# The KV formula's one home is the engine's sizing module; the labs read it from here too.
+from minserve.engine.kv_sizing import kv_bytes_per_token  # noqa: F401
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -341,15 +344,6 @@ def _pct(v, q) -> float:
 
 
 # ---- KV cache: the formula, the allocation, the pressure ----------------------------------------
-
-def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int,
-                       scale_bytes: int = 0) -> int:
-    """Bytes one token takes in the KV cache: 2 (K and V) x layers x kv_heads x (head_dim x
-    dtype_bytes + scale_bytes). ``scale_bytes`` is 0 for a float cache; an int8 cache
-    (``kv_cache_dtype="int8"``) stores 1-byte codes plus one float32 scale (4 bytes) per token and
-    KV head, so SmolLM2-135M takes 2 x 30 x 3 x (64 + 4) = 12,240 bytes, not 2 x 30 x 3 x 64 x 1."""
-    return int(2 * layers * kv_heads * (head_dim * dtype_bytes + scale_bytes))
-
 
 def kv_allocation(target) -> dict[str, Any]:
     """The KV cache of an engine (or ``LLM``): the formula's parts (``layers``, ``kv_heads``,

@@ -127,7 +127,3 @@ class ModelConfig:
             attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         )
-
-    def kv_bytes_per_token(self, element_size: int) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size

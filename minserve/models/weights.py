@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-DENSE = "dense"   # data is the [out, in] weight matrix itself, in data.dtype
+from minserve.kernels.formats import DENSE  # noqa: F401  (the kernels' name for a plain matrix)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minserve.engine.kv_sizing import kv_budget_within  # noqa: F401  (the engine's formula, named here too)
 from minserve.models.registry import ModelConfig
 from minserve.quant.schemes import DEFAULT_LM_HEAD, LM_HEAD_CHOICES
 from minserve.quant.sizes import INT4_DEFAULT_GROUP_SIZE, linear_bytes, resolve_group_size
@@ -124,17 +125,6 @@ def weight_bytes(cfg: ModelConfig, precision: str = "fp32", dtype: str | None = 
     separate_table = not cfg.tie_word_embeddings or head_precision != "fp32"
     return WeightBytes(w, s + head_scales, (_bias_params(cfg) + norms) * act,
                        table * act if separate_table else 0, head)
-
-
-def kv_budget_within(memory_budget_bytes: int, resident_weight_bytes: int, weights: str = "the weights") -> int:
-    """KV bytes a memory budget leaves beside the resident weights (the engine's ``memory_budget``
-    and the planner both use this); ValueError naming ``memory_budget`` when nothing is left."""
-    kv = memory_budget_bytes - resident_weight_bytes
-    if kv <= 0:
-        raise ValueError(f"memory_budget={memory_budget_bytes} bytes ({memory_budget_bytes / 2**20:.1f} MiB) does "
-                         f"not hold {weights} ({resident_weight_bytes / 2**20:.1f} MiB resident), let alone a KV "
-                         "cache; raise memory_budget or choose a smaller quantization")
-    return kv
 
 
 def _bias_params(cfg: ModelConfig) -> int:

@@ -54,7 +54,7 @@ SEARCH_WEIGHT_ROWS = 8192
 
 def default_calibration_path() -> Path:
     """``datasets/calibration/awq.jsonl`` (in a wheel, ``minserve/datasets/calibration/``)."""
-    from minserve.eval.data import dataset_path
+    from minserve.paths import dataset_path
     return dataset_path("calibration", "awq.jsonl")
 
 

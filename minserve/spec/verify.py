@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from minserve.engine.sampler import _apply_min_p, _apply_top_k_top_p, _ban_, _gather_logprobs
+from minserve.engine.sampler import apply_min_p, apply_top_k_top_p, ban_tokens_, gather_logprobs
 from minserve.engine.step_io import SampledToken
 
 
@@ -65,10 +65,10 @@ def sampling_probs(logits: torch.Tensor, params: list, banned: list[list[int]]) 
     temperature, min-p, top-k, top-p, softmax. [R, V] fp32; ``logits`` is not modified. Rejection
     sampling needs the target's p explicitly, where the sampler only needs to draw from it."""
     x = logits.float().clone()
-    _ban_(x, banned)
+    ban_tokens_(x, banned)
     x.div_(torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device).unsqueeze(1))
-    _apply_min_p(x, params)
-    _apply_top_k_top_p(x, params)
+    apply_min_p(x, params)
+    apply_top_k_top_p(x, params)
     return x.softmax(dim=-1)
 
 
@@ -86,5 +86,5 @@ def verify_with_draft(logits: torch.Tensor, params, banned: list[list[int]], pro
         return [SampledToken(t, None, None) for t in tokens]
     raw = logits if raw is None else raw
     chosen = torch.tensor(tokens, dtype=torch.long, device=raw.device)
-    logprobs, ranks = _gather_logprobs(raw[:len(tokens)].float(), chosen, [params] * len(tokens))
+    logprobs, ranks = gather_logprobs(raw[:len(tokens)].float(), chosen, [params] * len(tokens))
     return [SampledToken(t, lp, r) for t, lp, r in zip(tokens, logprobs, ranks)]
