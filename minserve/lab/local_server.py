@@ -86,18 +86,21 @@ class LocalServer:
         self.admission = self.state.admission
         self.model_name = self.state.model_name
         self.start_timeout_s = start_timeout_s
+        self._options = dict(admission=admission, auth=auth, limits=limits,
+                             served_model_name=served_model_name, start_timeout_s=start_timeout_s)
         self.base_url: str | None = None
         self._server = self._thread = self._sock = None
 
     # ---- life ---------------------------------------------------------------------------------
 
-    def start(self) -> "LocalServer":
+    def start(self, port: int = 0) -> "LocalServer":
+        """Serve on ``port`` (0, the default: one the OS picks)."""
         import uvicorn
         if self.running:
             return self
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))  # the OS picks a free port; held until uvicorn takes it
+        sock.bind(("127.0.0.1", port))  # 0: the OS picks a free port; held until uvicorn takes it
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="on")
         self._server, self._sock = uvicorn.Server(config), sock
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
@@ -135,6 +138,16 @@ class LocalServer:
         with _lock:
             if _by_engine.get(id(self.engine)) is self:
                 del _by_engine[id(self.engine)]
+
+    def restart(self, down_s: float = 0.0) -> "LocalServer":
+        """What a replica restart looks like to its clients: stop this server (requests in flight
+        get 503, new connections are refused), stay down ``down_s`` seconds, then a new server
+        with the same policy on the same port (fresh admission state, as after a real restart;
+        the engine and its weights stay loaded). Returns the new server."""
+        port = int(self.base_url.rsplit(":", 1)[1]) if self.base_url else 0
+        self.stop()
+        time.sleep(max(0.0, down_s))
+        return LocalServer(self.engine, **self._options).start(port)
 
     def __enter__(self) -> "LocalServer":
         return self.start()

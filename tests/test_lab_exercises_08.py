@@ -1,0 +1,178 @@
+"""Lab 08 (the optimization lab): every check passes on the right answer, fails on a wrong one with
+its reason, and under CI the reference solution agrees with the measurement; the measurements
+(SLO attainment, the bottleneck rule, the noise-aware verdict, the burst's recovery) on synthetic
+frames with known answers; the restart drill against a tiny-llama server in process."""
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from course import lab08
+from course import lab08_drills as drills
+from course import lab08_measure as me
+from lab_check_helpers import not_ci, verified_under_ci  # noqa: F401 (not_ci: autouse)
+
+SLOS = {"short_qa": {"ttft_ms": 100.0, "tpot_ms": 20.0}, "agent": {"e2el_ms": 500.0}}
+
+
+def frame(rows):
+    """A RunResult.requests frame from (label, ttft_ms, tpot_ms, e2e_ms, queue_ms, prompt_tokens)."""
+    df = pd.DataFrame(rows, columns=["label", "ttft", "tpot", "e2e", "queue", "prompt_tokens"])
+    return pd.DataFrame({"label": df.label, "ttft_s": df.ttft / 1000, "tpot_s": df.tpot / 1000,
+                         "e2e_s": df.e2e / 1000, "queue_s": df.queue / 1000,
+                         "prompt_tokens": df.prompt_tokens, "output_tokens": 4, "num_preemptions": 0,
+                         "success": True, "token_times_s": [[0.0, 0.01, 0.03]] * len(df)})
+
+
+def run(rows, kv=0.3, duration=2.0):
+    return SimpleNamespace(requests=frame(rows), duration_s=duration,
+                           state=pd.DataFrame({"t_s": [0.0, 1.0], "kv_cache_usage": [0.1, kv]}))
+
+
+def test_met_judges_each_request_by_its_own_class():
+    df = frame([("short_qa", 90, 10, 200, 0, 50), ("short_qa", 90, 30, 200, 0, 50),
+                ("agent", 900, 300, 400, 0, 50), ("agent", 10, 1, 600, 0, 50)])
+    assert me.met(df, SLOS).tolist() == [True, False, True, False]   # agent: only E2E counts
+
+
+def test_attainment_and_where_each_class_leaves_its_slo(monkeypatch):
+    light = run([("short_qa", 50, 10, 100, 0, 40)] * 4 + [("agent", 10, 1, 100, 0, 40)] * 2)
+    heavy = run([("short_qa", 50, 10, 100, 0, 40), ("short_qa", 500, 10, 900, 400, 40)] * 2
+                + [("agent", 10, 1, 100, 0, 40)] * 2)
+    table = me.attainment({1.0: light, 4.0: heavy}, SLOS)
+    assert table.loc[4.0, "short_qa"] == 0.5 and table.loc[1.0, "short_qa"] == 1.0
+    assert me.leaves_slo(table) == {"agent": None, "short_qa": 4.0}
+    q = lab08.q3_leaves_slo(table, "short_qa")
+    assert q.evaluate(4.0).ok and q.evaluate("4").ok
+    v = q.evaluate(1.0)
+    assert not v.ok and "still held" in v.message
+    assert not q.evaluate("never").ok
+    assert lab08.q3_leaves_slo(table, "agent").evaluate("never").ok
+    assert verified_under_ci(q, monkeypatch)
+
+
+def test_slo_factor_gives_headroom_at_light_load():
+    w = SimpleNamespace(class_slos=lambda: {"short_qa": {"slo": {"ttft_ms": 100.0, "tpot_ms": 20.0}}})
+    r = run([("short_qa", 300, 10, 500, 0, 40)] * 10)
+    f = me.slo_factor(r, w)
+    assert f == pytest.approx(4.5)           # 1.5 x 300 / 100, TTFT the tightest
+    assert 1.5 * 300 <= 100 * f
+
+
+def signals(queue_ms, growth=3.0, kv=0.3, prompt_corr=True, tpot=10):
+    light = run([("short_qa", 40, 10, 100, 0, 40 + i) for i in range(10)])
+    rows = [("short_qa", 40 * growth + (i if prompt_corr else 0), tpot, 200, queue_ms, 40 + i) for i in range(10)]
+    return me.signals(light, run(rows, kv=kv), SLOS)
+
+
+def test_bottleneck_rules_on_measured_signals():
+    assert me.classify(signals(queue_ms=100)) == "queue"           # 100 of ~124 ms queued, 3x growth
+    assert me.classify(signals(queue_ms=100, kv=0.95)) == "kv"     # a full pool comes first
+    assert me.classify(signals(queue_ms=0, growth=1.0)) == "prefill"
+    assert me.classify(signals(queue_ms=0, growth=1.0, prompt_corr=False, tpot=50)) == "decode"
+
+
+def test_q4_names_the_rule_and_its_evidence(monkeypatch):
+    q = lab08.q4_bottleneck(signals(queue_ms=100))
+    assert q.evaluate("queue").ok
+    v = q.evaluate("kv")
+    assert not v.ok and "peak KV use 30%" in v.message and "does not hold" in v.message
+    assert "queue time is" in q.evaluate("none").message
+    assert verified_under_ci(q, monkeypatch)
+
+
+def test_compare_needs_the_test_and_the_interval_to_agree():
+    rng = np.random.default_rng(0)
+
+    def runs(values):
+        return [run([("short_qa", float(v), 10, 100, 0, 40) for v in values])]
+    base = rng.normal(200, 20, 40)
+    better = me.compare(runs(base), runs(base - 80), "short_qa")
+    assert better["verdict"] == "better" and better["p90 change CI"][1] < 0
+    same = me.compare(runs(base), runs(rng.normal(200, 20, 40)), "short_qa")
+    assert same["verdict"] == "no clear change"
+    assert me.compare(runs(base), runs(base + 80), "short_qa")["verdict"] == "worse"
+
+
+def test_q5_verdict(monkeypatch):
+    row = {"class": "short_qa", "verdict": "no clear change", "n before": 20, "n after": 20,
+           "p50 before": 200.0, "p50 after": 190.0, "p (Mann-Whitney)": 0.4, "p90 change CI": (-40.0, 25.0)}
+    q = lab08.q5_verdict(row)
+    assert q.evaluate("no clear change").ok
+    v = q.evaluate("better")
+    assert not v.ok and "within what repeats" in v.message
+    assert verified_under_ci(q, monkeypatch)
+
+
+def test_q1_most_prompt_tokens(monkeypatch):
+    shapes = pd.DataFrame({"workload": ["short_qa"] * 5 + ["rag"] * 2,
+                           "prefix_tokens": [10] * 7, "body_tokens": [5] * 5 + [100] * 2})
+    q = lab08.q1_most_prompt_tokens(shapes)
+    assert q.evaluate("rag").ok
+    v = q.evaluate("short_qa")
+    assert not v.ok and "most requests" in v.message
+    assert "answer with one of" in q.evaluate("codegen").message
+    assert verified_under_ci(q, monkeypatch)
+
+
+def test_q2_p90_ttft(monkeypatch):
+    rows = ([("short_qa", 100 + 10 * i, 10, 900 + i, 40 + i, 40) for i in range(10)]
+            + [("agent", 1000 + i, 10, 2000, 0, 40) for i in range(10)])
+    base = run(rows).requests
+    q = lab08.q2_p90_ttft(base, "short_qa")
+    e = float(np.percentile(100 + 10 * np.arange(10), 90))
+    assert q.evaluate(e).ok
+    assert "median" in q.evaluate(float(np.median(100 + 10 * np.arange(10)))).message
+    assert "every class" in q.evaluate(1000 * base.ttft_s.quantile(0.9)).message
+    assert "end-to-end" in q.evaluate(1000 * base[base.label == "short_qa"].e2e_s.quantile(0.9)).message
+    assert "unit mix-up" in q.evaluate(e / 1000).message
+    assert q.indistinct_mistakes() == []
+    assert verified_under_ci(q, monkeypatch)
+
+
+def test_q6_lost_requests(monkeypatch):
+    outcomes = pd.DataFrame({"status": [0, 200, 503], "outcome": ["error", "ok", "shed"],
+                             "requests": [5, 20, 3]})
+    rep = drills.RestartReport(1.0, 0.4, outcomes, lost=8, retried_ok=8)
+    q = lab08.q6_lost(rep)
+    assert q.evaluate(8).ok
+    assert "connections refused" in q.evaluate(5).message
+    assert "cut off at the stop" in q.evaluate(3).message
+    assert "after the retry" in q.evaluate(0).message
+    assert verified_under_ci(q, monkeypatch)
+
+
+def test_burst_report_detects_and_times_the_recovery():
+    slo = {"short_qa": {"ttft_ms": 100.0}}
+    sends = [0.0, 0.5, 1.0, 1.0, 1.0, 1.5, 2.0, 2.5]
+    ttft = [50, 50, 300, 300, 300, 200, 60, 50]          # late from the burst until 1.5 s
+    req = pd.DataFrame({"label": "short_qa", "send_s": sends, "outcome": "ok", "ttft_s": np.array(ttft) / 1000,
+                        "tpot_s": 0.01, "e2e_s": 0.5})
+    state = pd.DataFrame({"t_s": [0.2, 0.7, 1.1, 1.6, 2.1], "num_waiting": [0, 0, 3, 1, 0]})
+    rep = drills.burst_report(SimpleNamespace(requests=req, state=state), slo, burst_at_s=1.0)
+    assert rep.detected_after_s == pytest.approx(0.1) and rep.peak_waiting == 3
+    assert rep.late_after_burst == 4 and rep.recovered_after_s == pytest.approx(1.0)
+    req.loc[7, "ttft_s"] = 0.5                            # still late at the end: never recovered
+    assert math.isinf(drills.burst_report(SimpleNamespace(requests=req, state=state), slo, 1.0).recovered_after_s)
+
+
+def test_restart_drill_against_a_server_in_process():
+    from minserve import LLM
+    from minserve.lab.local_server import serve
+    from minserve.lab.workload import make_requests
+    llm = LLM("tiny-llama", max_num_seqs=4, num_kv_blocks=64)
+    reqs = make_requests(llm.get_tokenizer(), 16, 8, num_requests=24, seed=3)
+    srv = serve(llm)
+    port = srv.base_url
+    rep = drills.restart_drill(srv, drills.class_calls(reqs, rate=24, seed=1), restart_at_s=0.4, down_s=0.3)
+    try:
+        assert rep.server.base_url == port and not srv.running      # same address, a new server
+        assert rep.back_after_s >= 0.3 and math.isfinite(rep.back_after_s)
+        assert rep.outcomes.requests.sum() == 24
+        assert rep.lost == int(rep.outcomes[rep.outcomes.outcome != "ok"].requests.sum()) > 0
+        assert rep.retried_ok == rep.lost                           # the server is back: all answered
+    finally:
+        rep.server.stop()
