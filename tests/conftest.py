@@ -1,8 +1,11 @@
 import logging
+import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 logging.getLogger("minserve").setLevel(logging.ERROR)
 
@@ -11,6 +14,19 @@ logging.getLogger("minserve").setLevel(logging.ERROR)
 LABS_DIR = Path(__file__).resolve().parents[1] / "labs"
 if str(LABS_DIR) not in sys.path:
     sys.path.insert(0, str(LABS_DIR))
+
+
+@pytest.fixture(autouse=True)
+def _seed_global_rngs():
+    """Every test starts from the same global random state, whatever ran before it.
+
+    Inputs a test draws without its own generator (and library code that draws from the global
+    generators: random weights of tiny-llama, sampling without a seed) then repeat from run to run
+    and do not depend on test order. Tests that build inputs inline still pass their own seeded
+    ``torch.Generator`` so that each input's values are fixed where they are written."""
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
 
 
 @pytest.fixture(scope="session")

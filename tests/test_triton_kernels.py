@@ -266,13 +266,15 @@ def test_int8_kv_quantize_on_write():
 # --------------------------------------------------------------------------------- invalid inputs
 
 def _w8_args():
-    codes, scales = R.quantize_w8(torch.randn(8, 32))
-    return dict(x=torch.randn(2, 32), codes=codes, scales=scales, bias=None)
+    g = torch.Generator().manual_seed(269)
+    codes, scales = R.quantize_w8(torch.randn(8, 32, generator=g))
+    return dict(x=torch.randn(2, 32, generator=g), codes=codes, scales=scales, bias=None)
 
 
 def _w4_args():
-    packed, scales, mins = R.quantize_w4(torch.randn(8, 64), 32)
-    return dict(x=torch.randn(2, 64), packed=packed, scales=scales, mins=mins, group_size=32)
+    g = torch.Generator().manual_seed(274)
+    packed, scales, mins = R.quantize_w4(torch.randn(8, 64, generator=g), 32)
+    return dict(x=torch.randn(2, 64, generator=g), packed=packed, scales=scales, mins=mins, group_size=32)
 
 
 def _pd_args(int8=False):
@@ -292,8 +294,8 @@ BAD = [
     ("w4a16", "w4a16_matmul", _w4_args, dict(packed=torch.zeros(8, 64, dtype=torch.uint8)), "packed must have shape"),
     ("w4a16", "w4a16_matmul", _w4_args, dict(mins=torch.zeros(8, 2, dtype=torch.float64)), "mins must have dtype"),
     ("w4a16", "w4a16_matmul", _w4_args, dict(scales=torch.zeros(8, 3)), "scales must have shape"),
-    ("paged_decode", "paged_decode", _pd_args, dict(q=torch.randn(2, 3, 16)), "not a multiple of k_cache"),
-    ("paged_decode", "paged_decode", _pd_args, dict(q=torch.randn(2, 4, 24)), "k_cache must have shape"),
+    ("paged_decode", "paged_decode", _pd_args, dict(q=torch.zeros(2, 3, 16)), "not a multiple of k_cache"),
+    ("paged_decode", "paged_decode", _pd_args, dict(q=torch.zeros(2, 4, 24)), "k_cache must have shape"),
     ("paged_decode", "paged_decode", _pd_args, dict(v_cache=torch.zeros(3, 4, 2, 16)), "v_cache must have shape"),
     ("paged_decode", "paged_decode", _pd_args, dict(block_tables=torch.zeros(3, 4, dtype=torch.long)),
      "block_tables must have 2 rows"),
