@@ -19,7 +19,7 @@ from torch import nn
 
 from minserve import LLM, SamplingParams
 from minserve.attention import build_attention_metadata
-from minserve.attention.fused_cpu import FusedCpuBackend
+from minserve.engine.fused_step import FusedCpuExecutor
 from minserve.kernels import build as kernel_build
 from minserve.kernels.build import KernelUnavailable
 from minserve.kernels.decode import FusedDecoder, rows_block_tables, unsupported_reason
@@ -325,7 +325,7 @@ def test_engine_decodes_through_the_kernel_with_quantized_weights_and_int8_kv(mo
         quantize_(runner.model, PlanScheme(*PLANS["mixed"]))
         if fused:   # what allocate_kv does when the model is quantized at load (engine `quantization=`)
             decoder = FusedDecoder(runner.model, runner.kv_caches, max_rows=8)
-            runner.backends.insert(0, FusedCpuBackend(decoder, max_query_len=1))
+            runner.executors.insert(0, FusedCpuExecutor(decoder, max_query_len=1))
         outs = llm.generate([{"prompt_token_ids": list(range(100, 100 + n))} for n in (40, 7)],
                             SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
         tokens.append([o.outputs[0].token_ids for o in outs])

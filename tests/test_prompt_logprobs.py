@@ -115,7 +115,7 @@ def test_fused_path_unaffected(whole):
     """Short prompts that the fused C step would take still get prompt logprobs (the step runs in
     PyTorch); decode steps after the prompt stay fused, and the sampled tokens do not change."""
     runner = whole.llm_engine.runner
-    fused = [b for b in runner.backends if b.runs_whole_model]
+    fused = [e for e in runner.executors if e.name == "fused-cpu"]
     if not fused:
         pytest.skip("the fused C decode step is unavailable here")
     calls = []

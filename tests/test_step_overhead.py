@@ -2,7 +2,7 @@
 
 Three shortcuts trim the Python work around the fused C step (issue 11): the sampler's argmax goes
 through numpy on CPU (engine/sampler.py ``_argmax_rows``), the fused backend reuses the rows' block
-tables while no sequence's table changed (attention/fused_cpu.py), and the output processor calls
+tables while no sequence's table changed (engine/fused_step.py), and the output processor calls
 the Rust tokenizer directly (engine/output_processor.py ``direct_decoder``). Each is checked against
 the code it replaces, and whole engine runs with all three on are compared with runs where each is
 replaced by the original: same tokens, text, logprobs, finish reasons and token counts, greedy and
@@ -16,7 +16,7 @@ import torch
 
 from minserve import LLM, SamplingParams
 from minserve.attention import StepSequences
-from minserve.attention.fused_cpu import FusedCpuBackend, FusedStepMetadata
+from minserve.engine.fused_step import FusedCpuExecutor, FusedStepMetadata
 from minserve.engine import output_processor, sampler
 from minserve.engine.output_processor import direct_decoder
 from minserve.engine.sampler import Sampler, SamplingBatch
@@ -77,7 +77,7 @@ def test_sampler_outputs_equal_torch_argmax(monkeypatch):
 
 
 def test_block_tables_are_rebuilt_when_a_table_grows_in_place():
-    backend = FusedCpuBackend(decoder=None, max_query_len=8)
+    backend = FusedCpuExecutor(decoder=None, max_query_len=8)
     tables = [[4, 7], [2]]  # the KV manager appends to these very lists
 
     def built(lens):
@@ -114,7 +114,7 @@ def test_direct_decoder_equals_tokenizer_decode(tiny_llm):
 def _slow_paths(monkeypatch):
     """Every shortcut replaced by the code it stands for."""
     monkeypatch.setattr(sampler, "_argmax_rows", _torch_argmax)
-    monkeypatch.setattr(FusedCpuBackend, "build_metadata", lambda self, seqs: FusedStepMetadata(
+    monkeypatch.setattr(FusedCpuExecutor, "build_metadata", lambda self, seqs: FusedStepMetadata(
         rows_block_tables(seqs.query_lens, seqs.block_tables)))
     monkeypatch.setattr(output_processor, "direct_decoder", lambda tok: (
         lambda ids, skip: tok.decode(ids, skip_special_tokens=skip)))

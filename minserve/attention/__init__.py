@@ -1,4 +1,5 @@
-"""Paged attention: per-step metadata and backends (torch reference, fused C on CPU, Triton on CUDA)."""
+"""Paged attention: per-step metadata and backends (torch reference, Triton on CUDA). The fused C
+step, which computes the whole model, is a step executor (engine/fused_step.py), not a backend."""
 
 from minserve.attention.backend import AttentionBackend, StepSequences, TorchAttentionBackend
 from minserve.attention.metadata import AttentionGroup, AttentionMetadata, build_attention_metadata

@@ -3,15 +3,14 @@
 The runner describes a step as :class:`StepSequences` (per sequence: new tokens, cached tokens,
 block table). Each backend builds its *own* metadata from that, so none has to read another's:
 - ``torch``: the PyTorch reference (attention/torch_paged.py), any step, any device;
-- ``fused-cpu``: the fused C step (attention/fused_cpu.py), which runs the whole model for steps of
-  a few tokens per sequence (decodes, speculative verification) on CPU in float32;
 - ``triton-decode``: decode steps on CUDA through the Triton paged-decode kernel
   (attention/triton_decode.py, kernels/triton/paged_decode.py); other steps go to the torch op.
 
-The runner asks the backends in order of preference and uses the first whose
-:meth:`AttentionBackend.unsupported_reason` is None; ``torch`` supports every step, so it is last.
-A backend either provides the per-layer attention that the PyTorch model calls
-(``runs_whole_model = False``), or runs the whole forward pass itself (``True``).
+A backend provides the per-layer attention that the PyTorch model calls. Which forward pass runs a
+step, the PyTorch model attending through a backend or the fused C step that computes the whole
+model (engine/fused_step.py), is the runner's choice of *step executor* (engine/step_executor.py):
+it asks them in order of preference and uses the first whose ``unsupported_reason`` is None; the
+model with ``torch`` attention supports every step, so it is last.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ class StepSequences:
 
 class AttentionBackend(ABC):
     name: str
-    runs_whole_model = False
 
     def unsupported_reason(self, seqs: StepSequences) -> str | None:
         """Why this backend cannot run the step (None: it can)."""
@@ -53,12 +51,7 @@ class AttentionBackend(ABC):
         """For backends that run inside the model: the per-layer op, called as
         ``op(q, k, v, k_cache, v_cache, metadata)``, with ``k_scales, v_scales`` after it for an
         int8 KV cache (engine/kv_cache.py); LlamaForCausalLM.use_attention installs it."""
-        raise NotImplementedError(f"the {self.name} backend runs the whole model")
-
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata,
-            logits_indices: torch.Tensor, num_threads: int) -> torch.Tensor:
-        """Only for ``runs_whole_model`` backends: the forward pass, returning fp32 logits."""
-        raise NotImplementedError(f"the {self.name} backend runs inside the model")
+        raise NotImplementedError(f"the {self.name} backend has no per-layer op")
 
 
 class TorchAttentionBackend(AttentionBackend):

@@ -43,6 +43,7 @@ def execute_isolating_faults(runner, kv, sched: SchedulerOutput) -> ModelRunnerO
         out.sampled.update(alone.sampled)
         out.errors.update(alone.errors)
         out.client_errors |= alone.client_errors
+        out.prompt_logprobs.update(alone.prompt_logprobs)
     return out
 
 

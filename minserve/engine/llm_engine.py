@@ -259,6 +259,8 @@ class LLMEngine(EngineExtensions):
                 self.metrics.record_step(self._record_step(t0, sched, 0), [], finished)
             return outputs
         ran = self._execute(sched)
+        for s in sched.scheduled:  # computed prompt logprobs join their request's list
+            s.request.prompt_logprobs += ran.prompt_logprobs.get(s.request.request_id, ())
         update = self.scheduler.update_from_output(sched, ran)
         self._append_accepted(update)
         self.scheduler.settle(update)

@@ -5,9 +5,10 @@ into what the model consumes: token ids and positions of every new token, the sl
 K/V go, each sequence's cached context and block table (for attention), and which rows need
 logits (the last new token of every sequence that reaches the end of its known tokens).
 
-Two ways to run the forward pass: the PyTorch model (models/llama.py) for every step, or, on CPU
-when every sequence adds exactly one token, the fused C decode step (kernels/decode.py), which
-computes the same thing without ~35 Python-dispatched operations per layer.
+Two ways to run the forward pass, two step executors (engine/step_executor.py) picked per step: the
+PyTorch model (models/llama.py) with an attention backend, for every step, or, on CPU when every
+sequence adds a few tokens (a decode or a verify step), the fused C step (engine/fused_step.py,
+kernels/decode.py), which computes the same thing without ~35 Python-dispatched operations per layer.
 
 Prompt logprobs (``SamplingParams.prompt_logprobs``) need the LM head on prompt rows too, which the
 fused step never computes: a step where a request asks for them runs through PyTorch, keeps the
@@ -26,13 +27,14 @@ import types
 
 import torch
 
-from minserve.attention import AttentionBackend, StepSequences, TorchAttentionBackend
-from minserve.attention.fused_cpu import FusedCpuBackend
+from minserve.attention import StepSequences, TorchAttentionBackend
 from minserve.config import EngineConfig
 from minserve.engine.logits_batch import processor_rows
 from minserve.engine.kv_cache import KVCacheManager, KVCacheSpec, LayerKV, allocate_kv_tensors, allocate_layer_kv
 from minserve.engine.memory import DeviceMemory, DeviceMemoryReader, measure_device_memory, snapshot
 from minserve.engine.sampler import Sampler, SamplingBatch, banned_tokens
+from minserve.engine.fused_step import FusedCpuExecutor
+from minserve.engine.step_executor import ModelExecutor, StepExecutor
 from minserve.engine.step_io import ModelRunnerOutput, SampledToken, SchedulerOutput
 from minserve.engine.threads import CpuLoadHint, ThreadController, adaptive_threads_enabled
 from minserve.kernels.build import KernelUnavailable
@@ -80,13 +82,14 @@ class ModelRunner:
         self.model.rotary.build_tables(self.device)  # fp32 tables whatever the model dtype
         _log_weights(self.weight_footprint(), dense, config)
         _resolve_memory_budget(config, self.weight_footprint())
-        # The backend whose metadata any step can use (torch), the Triton decode backend on CUDA
-        # (its per-layer op serves torch metadata too, so the model attends through it), and the
-        # list of step backends by preference (allocate_kv).
+        # The attention backend whose metadata any step can use (torch), the Triton decode backend
+        # on CUDA (its per-layer op serves torch metadata too, so the model attends through it),
+        # and the step executors by preference (allocate_kv adds the fused C step).
         self.layer_backend = TorchAttentionBackend(config.block_size, self.device)
         self.decode_backend = _triton_decode_backend(self.model.config, config, self.device)
         self.model.use_attention(self.decode_backend or self.layer_backend)
-        self.backends: list[AttentionBackend] = [self.layer_backend]
+        self.model_executor = ModelExecutor(self, self.layer_backend)  # runs any step
+        self.executors: list[StepExecutor] = [self.model_executor]
         # Profiling hook (CUDA): the weights are placed; run the largest step once and measure.
         self.device_memory: DeviceMemory | None = (
             measure_device_memory(reader, start, self._profile_largest_step) if reader is not None else None)
@@ -123,35 +126,46 @@ class ModelRunner:
         self.block_size = spec.block_size
         fused = _fused_decoder(self.model, self.kv_caches, self.config)
         self.layer_backend.block_size = spec.block_size
-        decode = [self.decode_backend] if self.decode_backend is not None else []
-        for b in decode:
-            b.block_size = spec.block_size
-        self.backends = ([FusedCpuBackend(fused, MAX_FUSED_QUERY_LEN)] if fused is not None else []) + decode + [
-            self.layer_backend]
+        decode = [ModelExecutor(self, self.decode_backend)] if self.decode_backend is not None else []
+        for e in decode:
+            e.backend.block_size = spec.block_size
+        self.executors = ([FusedCpuExecutor(fused, MAX_FUSED_QUERY_LEN)] if fused is not None else []) + decode + [
+            self.model_executor]
 
     def set_layer_attention(self, make_op) -> None:
         """Attend through ``make_op(num_heads, num_kv_heads, head_dim)`` in every layer (the
         per-layer op's contract: attention/backend.py ``layer_attention``), on the PyTorch path
         only: the fused C step and the Triton decode kernel compute their own attention, so they
         are set aside. ``None`` puts the engine's own attention and backends back."""
-        if not hasattr(self, "_own_backends"):
-            self._own_backends = list(self.backends)
+        if not hasattr(self, "_own_executors"):
+            self._own_executors = list(self.executors)
         if make_op is None:
             self.model.use_attention(self.decode_backend or self.layer_backend)
-            self.backends = list(self._own_backends)
+            self.executors = list(self._own_executors)
             return
         self.model.use_attention(types.SimpleNamespace(layer_attention=make_op))
-        self.backends = [self.layer_backend]
+        self.executors = [self.model_executor]
+
+    @property
+    def backends(self) -> list:
+        """The executors as they were listed before step executors existed: the attention backend
+        of each PyTorch-model executor, the fused C executor itself. Assigning a list sets the
+        executors (an attention backend becomes the PyTorch model attending through it)."""
+        return [e.backend if isinstance(e, ModelExecutor) else e for e in self.executors]
+
+    @backends.setter
+    def backends(self, items: list) -> None:
+        self.executors = [x if isinstance(x, StepExecutor) else ModelExecutor(self, x) for x in items]
 
     @property
     def fused(self):
-        """The fused C decoder when that backend is in use (None otherwise)."""
-        return next((b.decoder for b in self.backends if isinstance(b, FusedCpuBackend)), None)
+        """The fused C decoder when that executor is in use (None otherwise)."""
+        return next((e.decoder for e in self.executors if isinstance(e, FusedCpuExecutor)), None)
 
     @fused.setter
     def fused(self, decoder) -> None:
-        """Replace the fused backend's decoder (tests wrap it to count or time its calls)."""
-        next(b for b in self.backends if isinstance(b, FusedCpuBackend)).decoder = decoder
+        """Replace the fused executor's decoder (tests wrap it to count or time its calls)."""
+        next(e for e in self.executors if isinstance(e, FusedCpuExecutor)).decoder = decoder
 
     def _profile_largest_step(self) -> None:
         """The largest step the scheduler can build, run once for its memory peak: a full
@@ -194,14 +208,14 @@ class ModelRunner:
                              [s.context_len for s in sched.scheduled],
                              [kv.block_table(s.request.request_id) for s in sched.scheduled])
         spans = _prompt_logprob_spans(sched)
-        backend = self.layer_backend if spans else self.backend_for(seqs)  # the fused step has no prompt rows
-        meta = backend.build_metadata(seqs)
+        executor = self.model_executor if spans else self.executor_for(seqs)  # the fused step has no prompt rows
+        meta = executor.build_metadata(seqs)
         to = dict(dtype=torch.long, device=self.device)
         ids, pos, rows = (torch.tensor(v, **to) for v in (tokens, positions, logits_rows))
         # Decode and verify steps are timed per shape (backend, batch, rows per sequence), so the
         # thread count adapts for verify steps too; prefill chunks vary too much to compare.
         decode_only = not any(s.is_prefill for s in sched.scheduled)
-        key = ((backend.name, _batch_bucket(len(seqs.query_lens)), max(seqs.query_lens))
+        key = ((executor.name, _batch_bucket(len(seqs.query_lens)), max(seqs.query_lens))
                if decode_only else None)
         user_threads = torch.get_num_threads()
         threads = self.threads.choose(key) if self.threads.enabled else user_threads
@@ -209,30 +223,31 @@ class ModelRunner:
             torch.set_num_threads(threads)
         try:
             t0 = self.threads.clock()
-            if backend.runs_whole_model:
-                logits = backend.run(ids, pos, meta, rows, threads)
-            elif spans:
+            if spans:  # the hidden states of every row, for the prompt rows' LM head
                 h = self.model.hidden_states(ids, pos, self.kv_caches, meta)
                 logits = self.model.compute_logits(h[rows])
-                self._record_prompt_logprobs(spans, h)
+                prompt_logprobs = self._prompt_logprobs(spans, h)
             else:
-                logits = self.model(ids, pos, self.kv_caches, meta, rows)
+                logits = executor.run(ids, pos, meta, rows, threads)
             copies = [c for s in sched.scheduled for c in s.block_copies]
             if copies:  # parallel sampling: forked samples' own copy of the last prompt block
                 self.copy_blocks(copies)
             sampled = self._sample(sched, logits)
+            if spans:
+                sampled.prompt_logprobs = prompt_logprobs
             self.threads.record(key, threads, self.threads.clock() - t0)
         finally:
             if threads != user_threads:
                 torch.set_num_threads(user_threads)
         return sampled
 
-    def backend_for(self, seqs: StepSequences) -> AttentionBackend:
-        """The first backend, in order of preference, that runs this step (torch runs any)."""
-        for backend in self.backends:
-            if backend.unsupported_reason(seqs) is None:
-                return backend
-        raise AssertionError("the torch backend supports every step")
+    def executor_for(self, seqs: StepSequences) -> StepExecutor:
+        """The first step executor, in order of preference, that runs this step (the PyTorch
+        model with the torch attention backend runs any)."""
+        for executor in self.executors:
+            if executor.unsupported_reason(seqs) is None:
+                return executor
+        raise AssertionError("the PyTorch model with torch attention runs every step")
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> ModelRunnerOutput:
         """One draw per logits row (a verify step's k + 1 rows each use the request's own params
@@ -306,15 +321,18 @@ class ModelRunner:
             for t in layer:
                 t.index_copy_(0, dst, t.index_select(0, src))
 
-    def _record_prompt_logprobs(self, spans: list[tuple], h: torch.Tensor) -> None:
-        """Append the prompt logprobs of each span (see _prompt_logprob_spans) to its request,
-        running the LM head over at most PROMPT_LOGPROBS_CHUNK_ROWS rows at a time."""
+    def _prompt_logprobs(self, spans: list[tuple], h: torch.Tensor) -> dict[str, list]:
+        """The prompt logprobs of each span (see _prompt_logprob_spans), by request id, running
+        the LM head over at most PROMPT_LOGPROBS_CHUNK_ROWS rows at a time. Returned in the
+        step's output (the engine appends them to the request), not written into the request."""
+        out: dict[str, list] = {}
         for req, row, lo, hi in spans:
-            targets = req.prompt_token_ids[lo:hi]
+            targets, entries = req.prompt_token_ids[lo:hi], out.setdefault(req.request_id, [])
             for a in range(0, hi - lo, PROMPT_LOGPROBS_CHUNK_ROWS):
                 b = min(a + PROMPT_LOGPROBS_CHUNK_ROWS, hi - lo)
                 logits = self.model.compute_logits(h[row + a:row + b])
-                req.prompt_logprobs += _target_logprobs(logits, targets[a:b], req.params.prompt_logprobs)
+                entries += _target_logprobs(logits, targets[a:b], req.params.prompt_logprobs)
+        return out
 
     def weight_bytes(self) -> int:
         """Weight bytes one forward pass streams (every linear layer as stored, the norms): the
@@ -360,7 +378,8 @@ def _prompt_logprob_spans(sched: SchedulerOutput) -> list[tuple]:
     """Per scheduled request asking for prompt logprobs that has some left in this step:
     (request, flat row of its first one, first target position, end target position). The row of
     position j predicts prompt token j + 1; targets recorded before (the recompute of a preempted
-    request) are not recorded again, so ``req.prompt_logprobs`` grows chunk by chunk, in order."""
+    request) are not computed again, so ``req.prompt_logprobs`` grows chunk by chunk, in order
+    (the engine appends each step's ``ModelRunnerOutput.prompt_logprobs``)."""
     spans, offset = [], 0
     for s in sched.scheduled:
         req = s.request

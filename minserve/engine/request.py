@@ -88,7 +88,8 @@ class Request(_Finishable):
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)  # per token: {token_id: Logprob}, if asked
     # If params.prompt_logprobs: one entry per prompt token after the first, filled chunk by chunk
-    # by the model runner, made into {token_id: Logprob} by the output processor.
+    # from the model runner's output (the engine appends them), made into {token_id: Logprob} by
+    # the output processor.
     prompt_logprobs: list = field(default_factory=list)
     cumulative_logprob: float = 0.0
     output_text: str = ""

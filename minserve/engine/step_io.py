@@ -97,6 +97,10 @@ class ModelRunnerOutput:
     # Of ``errors``, the requests that failed because of what they asked for (contradictory
     # constraints), not because of the engine: a server answers them 400, not 500.
     client_errors: set[str] = field(default_factory=set)
+    # Per request asking for prompt logprobs whose prompt rows ran in this step: the entries of
+    # those rows, in prompt order ((top list, rank) per token, SampledToken's layout), for the
+    # engine to append to ``Request.prompt_logprobs``.
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
 
 
 @dataclass

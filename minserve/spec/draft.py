@@ -178,8 +178,8 @@ class DraftModelProposer:
         lens = [len(t) for _, t, _ in chunks]
         seqs = StepSequences(lens, [start for _, _, start in chunks],
                              [self.kv.block_table(rid) for rid, _, _ in chunks])
-        backend = self.runner.backend_for(seqs)
-        meta = backend.build_metadata(seqs)
+        executor = self.runner.executor_for(seqs)
+        meta = executor.build_metadata(seqs)
         dev = self.runner.device
         ids = torch.tensor([t for _, toks, _ in chunks for t in toks], dtype=torch.long, device=dev)
         pos = torch.tensor([p for _, toks, s in chunks for p in range(s, s + len(toks))], dtype=torch.long,
@@ -189,16 +189,13 @@ class DraftModelProposer:
         # Thread count by step shape, as the target's runner picks it (engine/threads.py): on a
         # busy CPU all threads can be far slower than fewer.
         ctl, user = self.runner.threads, torch.get_num_threads()
-        key = (backend.name, _bucket(len(lens)), max(lens)) if max(lens) <= MAX_CATCH_UP_ROWS else None
+        key = (executor.name, _bucket(len(lens)), max(lens)) if max(lens) <= MAX_CATCH_UP_ROWS else None
         threads = ctl.choose(key) if ctl.enabled else user
         if threads != user:
             torch.set_num_threads(threads)
         try:
             t0 = ctl.clock()
-            if backend.runs_whole_model:
-                logits = backend.run(ids, pos, meta, rows, threads)
-            else:
-                logits = self.runner.model(ids, pos, self.runner.kv_caches, meta, rows)
+            logits = executor.run(ids, pos, meta, rows, threads)
             ctl.record(key, threads, ctl.clock() - t0)
         finally:
             if threads != user:
