@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from minserve.engine.client import RunningWork
 from minserve.server.async_engine import AsyncEngine, RequestFailed
 
 IDS = ("a", "b", "c")
@@ -22,7 +23,6 @@ class ScriptedEngine:
         self.requests: dict[str, SimpleNamespace] = {}
         self.last_step_failures: dict[str, str] = {}
         self.last_step_stats = None
-        self.scheduler = SimpleNamespace(running=[], waiting=[])
         self.aborted: list[str] = []
         self.stepped = False
 
@@ -36,6 +36,13 @@ class ScriptedEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) and (self.stepped or len(self.requests) == len(IDS))
+
+    # the read-only view the server asks for (engine/client.py EngineClient): nothing runs
+    def running_work(self) -> RunningWork:
+        return RunningWork()
+
+    def holds_request(self, request_id: str) -> bool:
+        return request_id in self.requests
 
     def step(self):
         self.stepped = True

@@ -26,6 +26,14 @@ def check_text(name: str, text: str) -> None:
                          f"{text[e.start]!r} at character {e.start}") from None
 
 
+def out_of_vocabulary(token_ids, vocab_size: int) -> list[int]:
+    """The ids of ``token_ids`` outside ``[0, vocab_size)``, in order. The one rule for a token id
+    a request names (prompt, stop_token_ids): such an id would only fail later, inside a batched
+    step, taking the other requests of that step down with it. The server (server/serving.py)
+    asks the same question to answer in its own words."""
+    return [t for t in token_ids if not 0 <= t < vocab_size]
+
+
 def check_cache_salt(cache_salt) -> None:
     if cache_salt is None:
         return
@@ -36,7 +44,7 @@ def check_cache_salt(cache_salt) -> None:
 
 def check_params(params: SamplingParams, vocab_size: int, eos_token_ids: list[int]) -> None:
     """Token ids in range, and ``min_tokens`` must leave the sampler something to pick."""
-    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    bad = out_of_vocabulary(params.stop_token_ids, vocab_size)
     if bad:
         raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad[:5]}")
     banned = set()
@@ -128,7 +136,7 @@ def prompt_ids(prompt, tokenizer, vocab_size: int) -> tuple[str | None, list[int
         return prompt, tokenizer(prompt).input_ids
     if isinstance(prompt, (list, tuple)) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        bad = out_of_vocabulary(prompt, vocab_size)
         if bad:
             raise ValueError(f"prompt_token_ids must be in [0, {vocab_size}), got {bad[:5]}")
         return None, list(prompt)

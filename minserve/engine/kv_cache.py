@@ -260,6 +260,19 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables[request_id]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing changed) while any block is in use:
+        blocks in use cannot be forgotten, and forgetting only the idle ones would leave a
+        half-warm cache. It allocates every free block and gives them back: the pool hands out
+        plain blocks first and then evicts each cached one (the path it always takes), so the
+        prefix index empties through its own bookkeeping (eviction count and observers
+        included), not around it."""
+        pool = self.pool
+        if pool.num_free != pool.num_blocks:
+            return False
+        pool.release(pool.allocate(pool.num_free))
+        return not pool.cached
+
     @property
     def usage(self) -> float:
         """Fraction of blocks in use (vLLM's kv_cache_usage_perc: 1.0 = full). Free blocks that

@@ -29,6 +29,7 @@ from minserve.engine.inputs import check_cache_salt, check_params, prepare_logit
 from minserve.engine.isolation import execute_isolating_faults
 from minserve.engine.logits_batch import LogitsProcessors
 from minserve.engine.logits_processor import engine_logits_processor_classes
+from minserve.engine.client import EngineClientView
 from minserve.engine.extensions import EngineExtensions
 from minserve.engine.observers import StepObservers
 from minserve.engine.penalties import PreparedControls
@@ -47,7 +48,7 @@ from minserve.structured import GrammarBackend
 log = logging.getLogger("minserve")
 
 
-class LLMEngine(EngineExtensions):
+class LLMEngine(EngineExtensions, EngineClientView):
     def __init__(self, config: EngineConfig):
         t0 = time.perf_counter()
         self.config = config

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import logging
 import queue
 import threading
@@ -43,7 +42,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from minserve.engine.request import RequestStatus
 from minserve.outputs import RequestOutput
 
 log = logging.getLogger("minserve.server")
@@ -114,19 +112,10 @@ class _Call:
 
 
 def reset_prefix_cache(engine) -> bool:
-    """Forget every cached prefix block (vLLM's ``reset_prefix_cache``): the next request
-    prefills its whole prompt, as on a fresh server. Like vLLM, it refuses (returns False, nothing
-    changed) while any request is unfinished: blocks in use cannot be forgotten, and forgetting
-    only the idle ones would leave a half-warm cache. A sweep resets between runs this way.
-
-    It allocates every free block and gives them back: the pool hands out plain blocks first and
-    then evicts each cached one (the LRU path it always takes), so the prefix index empties
-    through its own bookkeeping (eviction count and observers included), not around it."""
-    pool = engine.kv.pool
-    if engine.has_unfinished_requests() or pool.num_free != pool.num_blocks:
-        return False
-    pool.release(pool.allocate(pool.num_free))
-    return not pool.cached
+    """Forget every cached prefix block: ``engine.reset_prefix_cache()`` (vLLM's; it refuses,
+    returning False, while any request is unfinished; engine/client.py). A sweep resets between
+    runs this way, through :meth:`AsyncEngine.call` on the engine thread."""
+    return engine.reset_prefix_cache()
 
 
 class AsyncEngine:
@@ -300,16 +289,15 @@ class AsyncEngine:
     def _mark_started(self, outputs: list[RequestOutput]) -> None:
         # Running requests (some are mid-prefill and have no output yet) plus those that finished
         # within their very first step.
-        rids = [r.request_id for r in self.engine.scheduler.running] + [o.request_id for o in outputs]
+        rids = [*self.engine.running_work().running_ids, *(o.request_id for o in outputs)]
         for rid in rids:
             sink = self._sinks.get(rid)
             if sink is not None:
                 sink.mark_started()
 
     def _orphans(self) -> list[str]:
-        # A request with n > 1 is live while any sample is (its id stays in engine.parents).
-        live = self.engine.requests.keys() | getattr(self.engine, "parents", {}).keys()
-        return [rid for rid in self._sinks if rid not in live]
+        # A request with n > 1 is held while any sample is unfinished (engine/client.py).
+        return [rid for rid in self._sinks if not self.engine.holds_request(rid)]
 
     def _expire(self) -> None:
         """Abort the requests whose deadline passed, whatever their state: the answer would come
@@ -335,12 +323,8 @@ class AsyncEngine:
         """Report the running work to the deadline model (admission.py, deadlines.py)."""
         if self.on_running is None:
             return
-        sched = self.engine.scheduler
-        # Preempted requests wait at the front of the queue to recompute; they are work ahead too.
-        preempted = itertools.takewhile(lambda r: r.status is RequestStatus.PREEMPTED, sched.waiting)
-        work = [(r.num_tokens - r.num_computed_tokens if r.is_prefill else 0,
-                 max(0, r.max_tokens - r.num_output_tokens))
-                for r in itertools.chain(sched.running, preempted)]
+        # Running requests, then the preempted ones that wait to recompute (engine/client.py).
+        work = list(self.engine.running_work().remaining)
         self._idle_published = not work
         _guarded(self.on_running, work)
 

@@ -16,6 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from minserve.engine.inputs import check_cache_salt, out_of_vocabulary
 from minserve.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 from minserve.server.chat_template import chat_prompt_ids, echo_prefix
 from minserve.server.limits import RequestLimits, check_lists, check_sizes, check_strings
@@ -102,8 +103,10 @@ def prepare(body, kind: str, engine, model_name: str, limits: RequestLimits | No
                                      param, mt_param,
                                      explicit=kind == "chat" or "max_tokens" in body.model_fields_set)
                   for ids in prompts]
-    if body.cache_salt is not None and not body.cache_salt:
-        raise ApiError(400, "cache_salt must be a non-empty string or omitted", "cache_salt")
+    try:
+        check_cache_salt(body.cache_salt)  # the engine's rule (engine/inputs.py), in the API's words
+    except ValueError:
+        raise ApiError(400, "cache_salt must be a non-empty string or omitted", "cache_salt") from None
     params = SamplingParams(
         n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
@@ -171,7 +174,7 @@ def _one_prompt_ids(prompt, engine, param: str, add_special_tokens: bool = True)
         return list(engine.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
     ids = list(prompt)
     vocab = engine.model_config.vocab_size
-    if not ids or any(not 0 <= t < vocab for t in ids):
+    if not ids or out_of_vocabulary(ids, vocab):
         raise ApiError(400, f"{param}: prompt token ids must be a non-empty list of ints in "
                        f"[0, {vocab})", param)
     return ids
@@ -196,9 +199,8 @@ def _chat_top_logprobs(body: ChatCompletionRequest) -> int | None:
 
 
 def _check_stop_token_ids(ids: list[int] | None, vocab: int) -> None:
-    # An out-of-vocabulary id would only fail later, inside a batched step, taking the other
-    # requests of that step down with it.
-    if ids and any(not 0 <= t < vocab for t in ids):
+    # The engine's rule (engine/inputs.py out_of_vocabulary), checked before the body is admitted.
+    if ids and out_of_vocabulary(ids, vocab):
         raise ApiError(400, f"stop_token_ids must be ints in [0, {vocab}), got {ids[:5]}",
                        "stop_token_ids")
 
