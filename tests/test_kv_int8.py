@@ -239,9 +239,9 @@ def test_the_fused_decoder_is_bound_only_to_a_kv_cache_it_can_read(int8_llm):
 def test_a_kv_dtype_the_fused_step_refuses_is_named(monkeypatch, caplog):
     """A kernel that refuses the cache (as the fused C step refused int8 K/V before it learnt
     them): skipped with a logged reason, or with fused_decode=True a ValueError naming both."""
-    from minserve.engine import model_runner
+    from minserve.engine import fused_step
     refusal = "kv_caches[0].key: int8 [8, 16, 2, 16]; the fused decode kernel implements float32 only"
-    monkeypatch.setattr(model_runner, "unsupported_reason", lambda model, kv_caches: refusal)
+    monkeypatch.setattr(fused_step, "unsupported_reason", lambda model, kv_caches: refusal)
     with caplog.at_level(logging.INFO, logger="minserve"):
         assert LLM("tiny-llama", kv_cache_dtype="int8", num_kv_blocks=8).llm_engine.runner.fused is None
     assert any("PyTorch" in r.getMessage() and "kv_cache_dtype='int8'" in r.getMessage() and refusal in

@@ -8,13 +8,17 @@ verify step's k + 1 rows see each other causally, exactly as the PyTorch path co
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from minserve.attention.backend import StepSequences
 from minserve.engine.step_executor import StepExecutor
-from minserve.kernels.decode import rows_block_tables
+from minserve.kernels.build import KernelUnavailable
+from minserve.kernels.decode import FusedDecoder, rows_block_tables, unsupported_reason
+
+log = logging.getLogger("minserve")
 
 
 @dataclass
@@ -53,3 +57,42 @@ class FusedCpuExecutor(StepExecutor):
 
     def run(self, input_ids, positions, metadata: FusedStepMetadata, logits_indices, num_threads):
         return self.decoder(input_ids, positions, metadata.block_tables, logits_indices, num_threads)
+
+
+def fused_decoder(model, kv_caches, config, max_query_len: int) -> FusedDecoder | None:
+    """The fused C decode path when the config allows it and it works here (see EngineConfig),
+    bound to ``model`` and its KV cache; ``max_query_len``: rows per sequence it takes."""
+    if config.fused_decode is False:
+        return None
+    reason, broken = fused_model_reason(model) or unsupported_reason(model, kv_caches), False
+    if reason is None:
+        try:
+            # Scratch in rows (tokens): every seat with a verify step of max_query_len rows.
+            rows = min(config.max_num_batched_tokens, config.max_num_seqs * max_query_len)
+            fused = FusedDecoder(model, kv_caches, max_rows=max(rows, config.max_num_seqs))
+            log.info("decode steps run in the fused C kernel (%s)", fused.library_name)
+            return fused
+        except KernelUnavailable as e:
+            reason, broken = str(e), True
+    # Name the KV dtype when it is not the model's: the kernel may refuse the cache, not the model.
+    kv = f" with kv_cache_dtype={config.kv_cache_dtype!r}" if config.kv_cache_dtype != "auto" else ""
+    if config.fused_decode:
+        raise ValueError(f"fused_decode=True but the fused decode kernel is unavailable{kv}: {reason}; "
+                         "leave fused_decode unset (or False) to decode in PyTorch")
+    # A model the kernel does not cover (CUDA, half precision) is expected; a CPU float32 model
+    # without it decodes ~1.5x slower, which a user should hear about.
+    (log.warning if broken else log.info)("decode steps run in PyTorch (fused decode kernel "
+                                          "unavailable%s: %s)", kv, reason)
+    return None
+
+
+def fused_model_reason(model) -> str | None:
+    """Why the fused C step cannot compute this model class, or None. The kernel implements
+    LlamaForCausalLM's forward pass; a class runs fused only if it says so in its own namespace
+    (``fused_decode_unsupported = None``), so a registered variant that changes a layer and says
+    nothing decodes in PyTorch instead of silently computing a Llama."""
+    cls = type(model)
+    if "fused_decode_unsupported" not in vars(cls):
+        return (f"{cls.__name__} does not declare that the fused C step computes it "
+                "(set fused_decode_unsupported = None in the class if it does)")
+    return cls.fused_decode_unsupported

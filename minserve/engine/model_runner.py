@@ -33,12 +33,10 @@ from minserve.engine.logits_batch import processor_rows
 from minserve.engine.kv_cache import KVCacheManager, KVCacheSpec, LayerKV, allocate_kv_tensors, allocate_layer_kv
 from minserve.engine.memory import DeviceMemory, DeviceMemoryReader, measure_device_memory, snapshot
 from minserve.engine.sampler import Sampler, SamplingBatch, banned_tokens
-from minserve.engine.fused_step import FusedCpuExecutor
+from minserve.engine.fused_step import FusedCpuExecutor, fused_decoder
 from minserve.engine.step_executor import ModelExecutor, StepExecutor
 from minserve.engine.step_io import ModelRunnerOutput, SampledToken, SchedulerOutput
 from minserve.engine.threads import CpuLoadHint, ThreadController, adaptive_threads_enabled
-from minserve.kernels.build import KernelUnavailable
-from minserve.kernels.decode import FusedDecoder, unsupported_reason
 from minserve.models.layers import RotaryEmbedding
 from minserve.models.llama import LlamaForCausalLM
 from minserve.models.loader import LoadedModel
@@ -124,7 +122,7 @@ class ModelRunner:
             self.model.rotary.build_tables(self.device)
         self.kv_caches = allocate_kv_tensors(self.model.config, spec, self.config.torch_dtype, self.config.device)
         self.block_size = spec.block_size
-        fused = _fused_decoder(self.model, self.kv_caches, self.config)
+        fused = fused_decoder(self.model, self.kv_caches, self.config, MAX_FUSED_QUERY_LEN)
         self.layer_backend.block_size = spec.block_size
         decode = [ModelExecutor(self, self.decode_backend)] if self.decode_backend is not None else []
         for e in decode:
@@ -407,44 +405,6 @@ def _target_logprobs(logits: torch.Tensor, targets: list[int], top_n: int) -> li
         vals, ids = logits.topk(top_n, dim=-1)
         top = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
     return [([(t, lp)] + alts, rank) for t, lp, alts, rank in zip(targets, chosen, top, ranks)]
-
-
-def _fused_decoder(model, kv_caches, config: EngineConfig) -> FusedDecoder | None:
-    """The fused C decode path when the config allows it and it works here (see EngineConfig)."""
-    if config.fused_decode is False:
-        return None
-    reason, broken = fused_model_reason(model) or unsupported_reason(model, kv_caches), False
-    if reason is None:
-        try:
-            # Scratch in rows (tokens): every seat with a verify step of MAX_FUSED_QUERY_LEN rows.
-            rows = min(config.max_num_batched_tokens, config.max_num_seqs * MAX_FUSED_QUERY_LEN)
-            fused = FusedDecoder(model, kv_caches, max_rows=max(rows, config.max_num_seqs))
-            log.info("decode steps run in the fused C kernel (%s)", fused.library_name)
-            return fused
-        except KernelUnavailable as e:
-            reason, broken = str(e), True
-    # Name the KV dtype when it is not the model's: the kernel may refuse the cache, not the model.
-    kv = f" with kv_cache_dtype={config.kv_cache_dtype!r}" if config.kv_cache_dtype != "auto" else ""
-    if config.fused_decode:
-        raise ValueError(f"fused_decode=True but the fused decode kernel is unavailable{kv}: {reason}; "
-                         "leave fused_decode unset (or False) to decode in PyTorch")
-    # A model the kernel does not cover (CUDA, half precision) is expected; a CPU float32 model
-    # without it decodes ~1.5x slower, which a user should hear about.
-    (log.warning if broken else log.info)("decode steps run in PyTorch (fused decode kernel "
-                                          "unavailable%s: %s)", kv, reason)
-    return None
-
-
-def fused_model_reason(model) -> str | None:
-    """Why the fused C step cannot compute this model class, or None. The kernel implements
-    LlamaForCausalLM's forward pass; a class runs fused only if it says so in its own namespace
-    (``fused_decode_unsupported = None``), so a registered variant that changes a layer and says
-    nothing decodes in PyTorch instead of silently computing a Llama."""
-    cls = type(model)
-    if "fused_decode_unsupported" not in vars(cls):
-        return (f"{cls.__name__} does not declare that the fused C step computes it "
-                "(set fused_decode_unsupported = None in the class if it does)")
-    return cls.fused_decode_unsupported
 
 
 def _triton_decode_backend(model_config, config: EngineConfig, device: torch.device):
