@@ -15,7 +15,7 @@ from course import lab08_drills as drills
 from course import lab08_measure as me
 from lab_check_helpers import not_ci, verified_under_ci  # noqa: F401 (not_ci: autouse)
 
-SLOS = {"short_qa": {"ttft_ms": 100.0, "tpot_ms": 20.0}, "agent": {"e2el_ms": 500.0}}
+SLOS = {"short_qa": {"ttft": 100.0, "tpot": 20.0}, "agent": {"e2el": 500.0}}
 
 
 def frame(rows):
@@ -55,7 +55,7 @@ def test_attainment_and_where_each_class_leaves_its_slo(monkeypatch):
 
 
 def test_slo_factor_gives_headroom_at_light_load():
-    w = SimpleNamespace(class_slos=lambda: {"short_qa": {"slo": {"ttft_ms": 100.0, "tpot_ms": 20.0}}})
+    w = SimpleNamespace(class_slos=lambda: {"short_qa": {"slo": {"ttft": 100.0, "tpot": 20.0}}})
     r = run([("short_qa", 300, 10, 500, 0, 40)] * 10)
     f = me.slo_factor(r, w)
     assert f == pytest.approx(4.5)           # 1.5 x 300 / 100, TTFT the tightest
@@ -146,7 +146,7 @@ def test_q6_lost_requests(monkeypatch):
 
 
 def test_burst_report_detects_and_times_the_recovery():
-    slo = {"short_qa": {"ttft_ms": 100.0}}
+    slo = {"short_qa": {"ttft": 100.0}}
     sends = [0.0, 0.5, 1.0, 1.0, 1.0, 1.5, 2.0, 2.5]
     ttft = [50, 50, 300, 300, 300, 200, 60, 50]          # late from the burst until 1.5 s
     req = pd.DataFrame({"label": "short_qa", "send_s": sends, "outcome": "ok", "ttft_s": np.array(ttft) / 1000,

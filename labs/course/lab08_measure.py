@@ -17,14 +17,14 @@ import pandas as pd
 
 from minserve.lab.sidechannel import mann_whitney
 
-METRICS = ("ttft_ms", "tpot_ms", "e2el_ms")          # the workload files' SLO keys
-COLUMN = {"ttft_ms": "ttft_s", "tpot_ms": "tpot_s", "e2el_ms": "e2e_s"}
+METRICS = ("ttft", "tpot", "e2el")          # the workload's SLO keys, in ms (bench --goodput's names)
+COLUMN = {"ttft": "ttft_s", "tpot": "tpot_s", "e2el": "e2e_s"}
 
 
 # ---- objectives -------------------------------------------------------------------------------
 
 def scaled_slos(workload, factor: float) -> dict[str, dict[str, float]]:
-    """Each class's SLO from the workload file (``{"ttft_ms": ..}``), every bound times
+    """Each class's SLO from the workload file (``{"ttft": ms, ..}``), every bound times
     ``factor``: the files' objectives are for full-length requests on a serving GPU."""
     out = {}
     for name, c in workload.class_slos().items():
@@ -157,7 +157,7 @@ def signals(light, heavy, slos: dict) -> Signals:
                    queue_share=float(h.queue_s.median() / ttft), prefill_share=float(prefill.median() / ttft),
                    prompt_ttft_corr=corr, peak_kv=float(heavy.state.kv_cache_usage.max()),
                    preemptions=int(h.num_preemptions.fillna(0).sum()),
-                   ttft_ok=within("ttft_ms"), tpot_ok=within("tpot_ms"))
+                   ttft_ok=within("ttft"), tpot_ok=within("tpot"))
 
 
 BOTTLENECKS = {
@@ -215,6 +215,9 @@ def compare(before: list, after: list, cls: str, metric: str = "ttft_s", alpha: 
         parts = [r.requests[(r.requests.label == cls) & r.requests.success] for r in runs]
         return np.concatenate([1000 * p[metric].dropna().to_numpy(float) for p in parts])
     a, b = pool(before), pool(after)
+    row = {"class": cls, "metric": metric, "n before": len(a), "n after": len(b)}
+    if min(len(a), len(b)) < 3:   # no test says anything on two samples
+        return {**row, "verdict": "too few requests"}
     test = mann_whitney(a, b)
     lo, hi = bootstrap_ci(a, b)
     verdict = "no clear change"
@@ -222,8 +225,21 @@ def compare(before: list, after: list, cls: str, metric: str = "ttft_s", alpha: 
         verdict = "better"
     elif test.p_value < alpha and lo > 0:
         verdict = "worse"
-    return {"class": cls, "metric": metric, "n before": len(a), "n after": len(b),
-            "p50 before": float(np.median(a)), "p50 after": float(np.median(b)),
+    return {**row, "p50 before": float(np.median(a)), "p50 after": float(np.median(b)),
             "p90 before": float(np.percentile(a, 90)), "p90 after": float(np.percentile(b, 90)),
             "p90 change CI": (round(lo, 1), round(hi, 1)), "p (Mann-Whitney)": float(test.p_value),
             "verdict": verdict}
+
+
+# ---- the run's manifest -------------------------------------------------------------------------
+
+def manifest(llm, workload, run, **bench) -> dict:
+    """The bench's run manifest (minserve/bench/manifest.py) for an in-process lab run: workload
+    name, version and hashes, model file hashes, code and kernel build, hardware, the engine's
+    whole configuration and the machine's load during the run."""
+    from minserve.bench.manifest import build_manifest, config_dict
+    engine = llm.llm_engine
+    load = run.load.as_dict() if getattr(run, "load", None) is not None else None
+    return build_manifest(workload=workload.describe(), model=engine.config.model,
+                          engine=config_dict(engine.config), server={"kind": "in-process (lab 08)"},
+                          bench={**run.settings, **bench}, load=load)
