@@ -438,7 +438,8 @@ else:
 # (how long until every later request meets its objective again)? **Restart:** steady traffic,
 # and a third of the way in the server stops (requests in flight get `503`, new connections are
 # refused) and comes back on the same port after a second; the requests that got no answer are
-# then sent once more.
+# then sent once more. The client's `/metrics` poller loses the server at the stop and prints a
+# warning: that is part of what a client sees.
 
 # %%
 srv = lab.local_server.serve(llm)

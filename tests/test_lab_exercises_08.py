@@ -105,6 +105,9 @@ def test_q5_verdict(monkeypatch):
     v = q.evaluate("better")
     assert not v.ok and "within what repeats" in v.message
     assert verified_under_ci(q, monkeypatch)
+    few = lab08.q5_verdict({"class": "agent", "verdict": "too few requests", "n before": 2, "n after": 2})
+    assert few.evaluate("too few requests").ok and not few.evaluate("better").ok
+    assert verified_under_ci(few, monkeypatch)
 
 
 def test_q1_most_prompt_tokens(monkeypatch):
