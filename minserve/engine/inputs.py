@@ -42,6 +42,24 @@ def check_cache_salt(cache_salt) -> None:
     check_text("cache_salt", cache_salt)
 
 
+def check_priority(priority) -> None:
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer (lower is served first under "
+                         f"scheduling_policy='priority'), got {priority!r}")
+
+
+def check_prompt_fits(n: int, config, max_model_len: int) -> None:
+    """A prompt of ``n`` tokens can be scheduled under ``config`` (an EngineConfig) and leaves room
+    for at least one output token within ``max_model_len``."""
+    if not config.enable_chunked_prefill and n > config.max_num_batched_tokens:
+        # It could never be scheduled: without chunking a prompt must fit in one step.
+        raise ValueError(f"prompt is {n} tokens; with enable_chunked_prefill=False a prompt must "
+                         f"fit in one step of max_num_batched_tokens={config.max_num_batched_tokens}")
+    if n >= max_model_len:
+        raise ValueError(f"prompt is {n} tokens; it must be shorter than max_model_len="
+                         f"{max_model_len} to leave room for at least one output token")
+
+
 def check_params(params: SamplingParams, vocab_size: int, eos_token_ids: list[int]) -> None:
     """Token ids in range, and ``min_tokens`` must leave the sampler something to pick."""
     bad = out_of_vocabulary(params.stop_token_ids, vocab_size)

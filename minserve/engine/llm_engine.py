@@ -25,7 +25,8 @@ from minserve.engine.memory import device_memory_reader
 from minserve.engine.model_runner import ModelRunner
 from minserve.engine.output_processor import OutputProcessor
 from minserve.engine.parallel_sampling import ParentRequest, fan_out
-from minserve.engine.inputs import check_cache_salt, check_params, prepare_logits_controls, prompt_ids
+from minserve.engine.inputs import (check_cache_salt, check_params, check_priority, check_prompt_fits,
+                                    prepare_logits_controls, prompt_ids)
 from minserve.engine.isolation import execute_isolating_faults
 from minserve.engine.logits_batch import LogitsProcessors
 from minserve.engine.logits_processor import engine_logits_processor_classes
@@ -181,9 +182,7 @@ class LLMEngine(EngineExtensions, EngineClientView):
         if request_id in self.requests or request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         check_cache_salt(cache_salt)
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer (lower is served first under "
-                             f"scheduling_policy='priority'), got {priority!r}")
+        check_priority(priority)
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -207,14 +206,7 @@ class LLMEngine(EngineExtensions, EngineClientView):
         self.scheduler.add(req)
 
     def _check_prompt_fits(self, n: int) -> None:
-        cfg = self.config
-        if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
-            # It could never be scheduled: without chunking a prompt must fit in one step.
-            raise ValueError(f"prompt is {n} tokens; with enable_chunked_prefill=False a prompt must "
-                             f"fit in one step of max_num_batched_tokens={cfg.max_num_batched_tokens}")
-        if n >= self.max_model_len:
-            raise ValueError(f"prompt is {n} tokens; it must be shorter than max_model_len="
-                             f"{self.max_model_len} to leave room for at least one output token")
+        check_prompt_fits(n, self.config, self.max_model_len)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests now; their KV blocks return to the pool immediately. Unknown ids are

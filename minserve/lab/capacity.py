@@ -88,7 +88,7 @@ class StaticBatcher:
         """Hold the request at the gate; its arrival (wall clock, as the engine expects) is now.
         The engine's own input checks run here, so a request the engine would refuse raises
         ValueError to the caller now rather than later, inside a step."""
-        from minserve.engine.inputs import check_cache_salt, check_params, prompt_ids
+        from minserve.engine.inputs import check_cache_salt, check_params, check_prompt_fits, prompt_ids
         eng, rid = self._engine, str(request_id)
         if rid in eng.requests or any(h[0] == rid for h in self.held):
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -96,7 +96,7 @@ class StaticBatcher:
         if params is not None:
             check_params(params, eng.model_config.vocab_size, eng.eos_token_ids)
         _, ids = prompt_ids(prompt, eng.tokenizer, eng.model_config.vocab_size)
-        eng._check_prompt_fits(len(ids))
+        check_prompt_fits(len(ids), eng.config, eng.max_model_len)
         if arrival_time is None:
             arrival_time = time.perf_counter() + self._engine.output_processor.clock_offset_s
         self.held.append((rid, prompt, params, {**kwargs, "arrival_time": arrival_time}))
