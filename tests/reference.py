@@ -47,3 +47,25 @@ def check_greedy_close(ours: list[int], ref: list[int], ref_logprobs: torch.Tens
                                     f"{gap:.4f} nats apart, not a near-tie (< {NEAR_TIE})")
             return i
     return len(ours)
+
+
+def hf_greedy_batch(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
+    """``hf_greedy`` for many prompts in one ``generate`` (left-padded, with the attention mask):
+    one batched prefill and ``max_new_tokens`` batched steps instead of one generate per prompt.
+
+    transformers derives each row's positions from its mask, and masked pads take no attention
+    weight, so a row's logits are its unpadded ones up to fp32 reordering (measured on SmolLM2's
+    batch of 16: the same tokens, log-probabilities within 7e-5), far inside ``NEAR_TIE``."""
+    model = hf_model(path)
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):   # left padding: every row's last prompt token is at the end
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             min_new_tokens=max_new_tokens, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    logprobs = torch.log_softmax(torch.stack(out.logits).float(), dim=-1)   # [steps, batch, vocab]
+    return [(out.sequences[i, width:].tolist(), logprobs[:, i]) for i in range(len(prompts))]

@@ -4,7 +4,7 @@ import pytest
 
 from minserve import SamplingParams
 from prompts import mixed_prompts
-from reference import check_greedy_close, hf_greedy
+from reference import check_greedy_close, hf_greedy, hf_greedy_batch
 from conftest import assert_all_blocks_free
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -13,13 +13,14 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 def _compare(llm, prompts, max_tokens, batched: bool):
     path = str(llm.llm_engine.config_path)
     params = SamplingParams(max_tokens=max_tokens, **GREEDY)
-    if batched:
+    if batched:   # transformers too runs the batch at once (left-padded): one generate, not one a prompt
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        refs = hf_greedy_batch(path, prompts, max_tokens)
     else:
         outs = [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0] for p in prompts]
+        refs = [hf_greedy(path, p, max_tokens) for p in prompts]
     exact = 0
-    for i, (p, o) in enumerate(zip(prompts, outs)):
-        ref, ref_lp = hf_greedy(path, p, max_tokens)
+    for i, (p, o, (ref, ref_lp)) in enumerate(zip(prompts, outs, refs)):
         matched = check_greedy_close(o.outputs[0].token_ids, ref, ref_lp, f"prompt {i} ({len(p)} tokens)")
         exact += matched == max_tokens
     assert_all_blocks_free(llm)

@@ -184,7 +184,8 @@ def test_vectorized_exp_matches_torch_exp():
     """Softmax and SiLU use the kernel's own 16-wide exp: compare it with torch.exp in float64."""
     lib = kernel_build.load("decode")
     lib.ms_exp_shifted.restype = ctypes.c_float
-    x = torch.cat([torch.linspace(-100, 100, 20001), torch.randn(999, generator=torch.Generator().manual_seed(179)) * 10])  # a tail of 999 % 16
+    tail = torch.randn(999, generator=torch.Generator().manual_seed(179)) * 10  # a tail of 999 % 16
+    x = torch.cat([torch.linspace(-100, 100, 20001), tail])
     got = x.clone()
     total = lib.ms_exp_shifted(ctypes.cast(got.data_ptr(), ctypes.POINTER(ctypes.c_float)),
                                ctypes.c_int64(got.numel()), ctypes.c_float(1.5))
@@ -197,7 +198,8 @@ def test_vectorized_exp_matches_torch_exp():
     assert (got[exact <= 1e-37] < 1e-37).all() and (got[exact >= 1e38] > 1e38).all()
     assert torch.isfinite(got).all()
     assert total == float("inf")  # the float sum of values up to 1e38 overflows, as it would in C
-    scores = torch.randn(1001, generator=torch.Generator().manual_seed(192)) * 5  # softmax's use: shift by the max, sum the weights
+    # softmax's use: shift by the max, sum the weights
+    scores = torch.randn(1001, generator=torch.Generator().manual_seed(192)) * 5
     weights = scores.clone()
     total = lib.ms_exp_shifted(ctypes.cast(weights.data_ptr(), ctypes.POINTER(ctypes.c_float)),
                                ctypes.c_int64(weights.numel()), ctypes.c_float(scores.max()))

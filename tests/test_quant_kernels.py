@@ -84,7 +84,8 @@ def test_leading_dimensions_empty_batch_and_non_contiguous_input():
     assert int4_linear(x3, packed, s4, m4, 32).shape == (2, 3, 33)
     assert int8_linear(x[:0], codes, scales).shape == (0, 33)
     assert int4_linear(x[:0], packed, s4, m4, 32).shape == (0, 33)
-    xt = torch.randn(64, 5, generator=torch.Generator().manual_seed(87)).T   # a transposed view: copied to contiguous, not misread
+    # a transposed view: copied to contiguous, not misread
+    xt = torch.randn(64, 5, generator=torch.Generator().manual_seed(87)).T
     assert_matches(int4_linear(xt, packed, s4, m4, 32), xt, dequantize_int4(packed, s4, m4, 32), None)
 
 

@@ -78,7 +78,8 @@ def _logits(model, prompt_len: int = 20) -> torch.Tensor:
 
 def test_merged_linear_loads_each_shard_into_its_rows():
     layer = MergedLinear(4, {"q": 3, "k": 2, "v": 2}, bias=True)
-    parts = {s: torch.randn(n, 4, generator=torch.Generator().manual_seed(81)) for s, n in (("q", 3), ("k", 2), ("v", 2))}
+    g = torch.Generator().manual_seed(81)
+    parts = {s: torch.randn(n, 4, generator=g) for s, n in (("q", 3), ("k", 2), ("v", 2))}
     for s in "vqk":  # any order
         layer.load(parts[s], shard=s)
         layer.load(torch.full((parts[s].shape[0],), float(ord(s))), shard=s, param="bias")
