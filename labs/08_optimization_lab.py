@@ -39,7 +39,8 @@
 # 7. run two failure drills on a server in the notebook: a **traffic burst** (which metric showed
 #    it, how fast, how long until requests met their objectives again) and a **server restart**
 #    mid-run (what clients saw, how long it was gone, how many requests were lost and how many a
-#    retry saved);
+#    retry saved), and **capacity removal** (one of two replicas goes away behind a client-side
+#    balancer);
 # 8. recorded the baseline and the changed configuration in `labs/results/08.json`.
 #
 # **Run time:** about 2 minutes on a 2-core CPU in the `quick` preset (the default; the last cell
@@ -56,10 +57,9 @@
 # notebook prints "Lesson shown" with the evidence, or "Lesson NOT shown in this run" with the
 # cause it measured (other processes' CPU use, the spread of repeats).
 #
-# **What is here, what is not (yet).** The drills are the burst and the server restart. Removing
-# capacity (one of two replicas behind a balancer, or a KV budget cut by a restart) and long
-# requests are not drilled in this notebook yet; the stretch goals say how to build them from the
-# same helpers. Every section runs against the engine in this notebook: a lab target server
+# **What is here, what is not (yet).** The drills are the burst, the server restart and capacity
+# removal (one of two replicas). A KV budget cut by a restart and long requests are not drilled in
+# this notebook yet; the stretch goals say how to build them from the same helpers. Every section runs against the engine in this notebook: a lab target server
 # (`MINSERVE_LAB_TARGET`) is not supported by this lab yet (it compares engines it builds itself).
 #
 # **Prerequisites:** labs [01](01_prefill_vs_decode.ipynb) (TTFT, TPOT),
@@ -476,6 +476,36 @@ restart_lesson = lab.lesson("08-restart", "after a restart the service comes bac
                     "answered on a retry", timing=False)
 
 # %% [markdown]
+# **Capacity removal.** Two replicas of the baseline configuration (a second engine, the same
+# settings) behind a client-side round robin with no health checks; a third of the way in one
+# replica goes away. The calls routed to it from then on fail, and the balancer sends them to the
+# replica left. On this machine both replicas share the same two cores, so removing one takes away
+# less compute than on two machines: what is measured is what the clients saw, and whether the
+# replica left kept the objectives.
+
+# %%
+spare = LLM(P.model, **P.engine_kwargs(max_num_seqs=SEATS))    # replica B: the baseline's settings
+lab.warm(spare, [64], [1])
+srv_a, srv_b = lab.local_server.serve(llm), lab.local_server.serve(spare)
+removal_calls = drills.class_calls(DRILL, rate=2 * base_rate, seed=5)
+REMOVE_AT = round(removal_calls[-1].send_s / 3, 2)
+removal = drills.removal_drill(srv_a, srv_b, removal_calls, remove_at_s=REMOVE_AT)
+display(removal.outcomes)
+a_frame = removal.frames["A"]
+a_good = me.met(a_frame, SLOS)
+share_before = a_good[a_frame.send_s < REMOVE_AT].mean()
+share_after = a_good[a_frame.send_s >= REMOVE_AT].mean()
+print(f"Replica B went away {REMOVE_AT:.1f} s in: {removal.failed_over} calls routed to it got no answer, "
+      f"and the failover to A answered {removal.failover_ok} of them. On A, {share_before:.0%} of the "
+      f"requests sent before the removal met their objective, {share_after:.0%} of those sent after.")
+removal_lesson = lab.lesson("08-removal", "when a replica goes away, failover to the one left answers "
+                            "the calls that were routed to it", shown=removal.failover_ok == removal.failed_over,
+                            evidence=f"{removal.failover_ok} of {removal.failed_over} calls answered by the "
+                                     "replica left", timing=False)
+srv_a.stop()
+del spare
+
+# %% [markdown]
 # **Exercise 6.** How many requests of the restart drill got no answer (before the retry)? The
 # outcome table counts them by HTTP status (`0`: no response at all).
 
@@ -506,7 +536,10 @@ record = {
     "drills": {"burst": {"detected_after_s": rep.detected_after_s, "recovered_after_s": rep.recovered_after_s,
                          "late": rep.late_after_burst},
                "restart": {"back_after_s": round(drill.back_after_s, 3), "lost": drill.lost,
-                           "retried_ok": drill.retried_ok}},
+                           "retried_ok": drill.retried_ok},
+               "removal": {"failed_over": removal.failed_over, "failover_ok": removal.failover_ok,
+                           "within_slo_before": round(float(share_before), 3),
+                           "within_slo_after": round(float(share_after), 3)}},
 }
 lab.record_baseline("08", record, echo=False)
 win = main["verdict"] == "better" and gate_passed is not False
@@ -531,9 +564,8 @@ print(f"Recorded in labs/results/08.json. The one change: {CHANGE} ({MENU[CHANGE
 # ## Stretch goals
 #
 # - Try the other entries of `MENU`. Does the bottleneck the table named predict which one helps?
-# - **Capacity removal:** start two servers on two engines, send the traffic round-robin from the
-#   client, and `stop()` one mid-run: how much of the load does the other absorb, and which class
-#   pays? (`drills.restart_drill` shows the shape: a thread stops a server while `tr.offer` sends.)
+# - **KV budget cut by a restart:** restart the server on an engine with an eighth of the KV
+#   blocks (`MENU["KV budget"]`) mid-run: does the bottleneck row move to "kv"?
 # - **Long requests:** scale only the `rag` class's lengths up (`W.classes()["rag"]`, a larger
 #   `length_scale`) and see whether the bottleneck row moves from queue to prefill.
 # - Rerun the comparison with three repeats: does the interval shrink, and does the verdict hold?

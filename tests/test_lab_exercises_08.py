@@ -179,3 +179,22 @@ def test_restart_drill_against_a_server_in_process():
         assert rep.retried_ok == rep.lost                           # the server is back: all answered
     finally:
         rep.server.stop()
+
+
+def test_removal_drill_fails_over_to_the_replica_left():
+    from minserve import LLM
+    from minserve.lab.local_server import serve
+    from minserve.lab.workload import make_requests
+    a, b = (LLM("tiny-llama", max_num_seqs=4, num_kv_blocks=64) for _ in range(2))
+    reqs = make_requests(a.get_tokenizer(), 16, 8, num_requests=24, seed=5)
+    kept, removed = serve(a), serve(b)
+    try:
+        rep = drills.removal_drill(kept, removed, drills.class_calls(reqs, rate=24, seed=1), remove_at_s=0.4)
+        assert not removed.running
+        assert rep.outcomes.sum().tolist() == [12, 12]                # round robin: half each
+        assert rep.outcomes.loc["ok", "A (kept)"] == 12               # the replica left answered all
+        assert rep.failed_over == 12 - rep.outcomes["B (removed)"].get("ok", 0) > 0
+        assert rep.failover_ok == rep.failed_over                     # and took over the rest
+    finally:
+        kept.stop()
+        removed.stop()

@@ -109,3 +109,44 @@ def restart_drill(srv, calls, *, restart_at_s: float, down_s: float, slo=None) -
                          len(lost), retried_ok, box["server"])
 
 
+
+
+# ---- capacity removal -----------------------------------------------------------------------
+
+@dataclass
+class RemovalReport:
+    removed_at_s: float
+    outcomes: pd.DataFrame       # per replica: requests by outcome
+    failed_over: int             # calls routed to the removed replica that got no answer
+    failover_ok: int             # of those, answered by the replica left
+    frames: dict = field(repr=False, default_factory=dict)
+
+
+def removal_drill(kept, removed, calls, *, remove_at_s: float) -> RemovalReport:
+    """Two replicas behind a client-side round-robin balancer with no health checks (call k goes
+    to replica k % 2); ``removed`` is stopped ``remove_at_s`` seconds in, so the calls routed to
+    it from then on fail, and the balancer then sends them to ``kept`` (failover)."""
+    box: dict = {}
+
+    def other():
+        box["removed"] = tr.offer(removed.base_url, calls[1::2], name="replica B", live=False)
+
+    def remove():
+        time.sleep(remove_at_s)
+        removed.stop()
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (other, remove)]
+    for t in threads:
+        t.start()
+    first = tr.offer(kept.base_url, calls[0::2], name="replica A", live=False)
+    for t in threads:
+        t.join()
+    b = box["removed"].requests
+    lost = [c for c, o in zip(calls[1::2], b.outcome) if o != "ok"]
+    ok = 0
+    if lost:
+        again = [tr.Call(c.prompt, c.max_tokens, 0.0, c.label, c.priority_class) for c in lost]
+        ok = int((tr.offer(kept.base_url, again, name="failover to A", live=False).requests.outcome == "ok").sum())
+    outcomes = pd.DataFrame({"A (kept)": first.requests.outcome.value_counts(),
+                             "B (removed)": b.outcome.value_counts()}).fillna(0).astype(int)
+    return RemovalReport(remove_at_s, outcomes, len(lost), ok, {"A": first.requests, "B": b})
