@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from minserve.engine.client import EngineClient
 from minserve.outputs import RequestOutput
 
 log = logging.getLogger("minserve.server")
@@ -119,12 +120,13 @@ def reset_prefix_cache(engine) -> bool:
 
 
 class AsyncEngine:
-    """Runs ``engine`` on a background thread. Observers, called on that thread: ``on_step(stats)``
+    """Runs ``engine`` (an :class:`~minserve.engine.client.EngineClient`: add, abort, step and the
+    read-only running-work view; nothing else of the engine is read) on a background thread. Observers, called on that thread: ``on_step(stats)``
     after each step that computed something (admission measures step times), ``on_running(work)``
     after each step and when the engine goes idle, with (prompt tokens left to compute, output
     tokens left at most) per running request, seat holders first (admission's deadline model)."""
 
-    def __init__(self, engine, on_step: Callable | None = None, on_running: Callable | None = None):
+    def __init__(self, engine: EngineClient, on_step: Callable | None = None, on_running: Callable | None = None):
         self.engine = engine
         self.on_step = on_step
         self.on_running = on_running
