@@ -446,8 +446,8 @@ else:
 # %%
 srv = lab.local_server.serve(llm)
 DRILL = reqs[: N // 2]                     # half a run of steady traffic per drill (run time)
-steady = drills.class_calls(DRILL, rate=base_rate, seed=2)
-BURST_AT = round(steady[-1].send_s / 3, 2)
+steady = drills.class_calls(reqs, rate=base_rate, seed=2)   # a whole run: time to recover after
+BURST_AT = round(steady[-1].send_s / 4, 2)
 burst_reqs = W.requests(tok, max(2 * SEATS, N // 3), seed=9, length_scale=SCALE)   # more than the seats
 burst_calls = drills.class_calls(burst_reqs, rate=math.inf, seed=3, start_s=BURST_AT)
 burst = tr.offer(srv.base_url, tr.merge(steady, burst_calls), name="steady traffic and a burst")
