@@ -71,7 +71,7 @@
 # [05](05_quantization.ipynb) (the quality gate) and [07](07_overload_and_goodput.ipynb) (a server
 # in the notebook, overload).
 #
-# **Source files:** [`datasets/workloads/`](../datasets/workloads) (the workload files) and
+# **Source files:** [`datasets/workloads/capstone_mix.json`](../datasets/workloads/capstone_mix.json) (the workload file; its neighbours in `datasets/workloads/` are the four it mixes) and
 # [`bench/workloads.py`](../minserve/bench/workloads.py) (loading them, hash-checked),
 # [`bench/manifest.py`](../minserve/bench/manifest.py) (the run manifest),
 # [`course/lab08_measure.py`](course/lab08_measure.py) (per-class tables, the bottleneck rule,
