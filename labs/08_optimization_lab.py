@@ -257,8 +257,9 @@ lab.lesson("08-leaves-slo", "raising the offered load in steps, a class leaves i
            evidence="; ".join(f"{c}: {'below 90 % from ' + format(r, 'g') + ' req/s' if r else 'held'}"
                               for c, r in leaves.items()),
            load=sweep_probe.load)
-print(f"The class that leaves its objective first: {FAILING} "
-      f"({table[FAILING].iloc[-1]:.0%} within SLO at {table.index[-1]:g} req/s).")
+_first = (f"below 90 % from {leaves[FAILING]:g} req/s; " if leaves.get(FAILING) else "it never fell below 90 %; ")
+print(f"The class that leaves its objective first: {FAILING} ({_first}"
+      f"{table[FAILING].iloc[-1]:.0%} within SLO at the heaviest load, {table.index[-1]:g} req/s).")
 
 # %% [markdown]
 # **Exercise 3.** At which offered load (req/s, one of the table's rows) did `FAILING` first drop
