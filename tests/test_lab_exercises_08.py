@@ -1,11 +1,15 @@
 """Lab 08 (the optimization lab): every check passes on the right answer, fails on a wrong one with
 its reason, and under CI the reference solution agrees with the measurement; the measurements
-(SLO attainment, the bottleneck rule, the noise-aware verdict, the burst's recovery) on synthetic
-frames with known answers; the restart drill against a tiny-llama server in process."""
+(SLO attainment, the bottleneck rule, the noise-aware verdict, the burst's recovery, the long
+requests' cost to the others, what a KV cut shows) on synthetic frames with known answers; the
+quality gate's two branches (a numerics change runs it and a failed gate blocks the win, any other
+change does not run it); the restart and removal drills, and a restart onto another engine,
+against tiny-llama servers in process."""
 
 import math
 from types import SimpleNamespace
 
+import httpx
 import numpy as np
 import pandas as pd
 import pytest
@@ -198,3 +202,101 @@ def test_removal_drill_fails_over_to_the_replica_left():
     finally:
         kept.stop()
         removed.stop()
+
+
+# ---- step 6: the quality gate runs only when the change touched numerics ----------------------
+
+@pytest.mark.parametrize("passes", [True, False])
+def test_a_numerics_change_runs_the_gate_and_a_failed_gate_blocks_the_win(passes):
+    calls = []
+
+    def gate():
+        calls.append(1)
+        return passes
+    win, passed = me.gated_win("better", {"quantization": "int8"}, gate)
+    assert calls == [1] and passed is passes
+    assert win is passes                          # "better" latency, but only a passed gate makes it a win
+    assert me.gated_win("no clear change", {"kv_cache_dtype": "int8"}, lambda: True) == (False, True)
+
+
+def test_a_change_that_keeps_every_token_does_not_run_the_gate():
+    def gate():
+        raise AssertionError("the gate ran for a change that keeps the numerics")
+    for args in ({"max_num_seqs": 8}, {"enable_chunked_prefill": False}, {"num_kv_blocks": 32},
+                 {"speculative_config": {"method": "ngram"}}):
+        assert not me.touches_numerics(args)
+        assert me.gated_win("better", args, gate) == (True, None)
+        assert me.gated_win("worse", args, gate) == (False, None)
+
+
+# ---- long requests and the KV cut ---------------------------------------------------------------
+
+def http_run(rows, state=None):
+    """A RunResult over HTTP: rows of (label, ttft_ms, tpot_ms); /metrics samples in ``state``."""
+    df = frame([(lab, t, p, 10 * t, math.nan, 40) for lab, t, p in rows])
+    st_ = state if state is not None else pd.DataFrame({"t_s": [0.0], "num_running": [1], "num_waiting": [0],
+                                                        "kv_cache_usage": [0.2], "num_preemptions": [0]})
+    return SimpleNamespace(requests=df, state=st_, duration_s=2.0)
+
+
+def test_mix_in_spreads_the_long_requests_and_keeps_the_steady_order():
+    from course import lab08_stress as st
+    out = st.mix_in(list("abcdef"), ["L1", "L2"])
+    assert out == ["a", "b", "L1", "c", "d", "L2", "e", "f"]
+    assert st.mix_in([1, 2], []) == [1, 2]
+    reqs = [SimpleNamespace(prompt_len=p, expected_output_len=o) for p, o in ((100, 20), (30, 5))]
+    assert st.cut_kv_blocks(reqs, 16) == 9           # 120 tokens: 8 blocks, and one to spare
+
+
+def test_long_report_and_q7(monkeypatch):
+    from course import lab08_stress as st
+    rng = np.random.default_rng(7)
+    calm_ttft, slow = rng.normal(100, 10, 30), rng.normal(150, 40, 30)
+    calm = http_run([("short_qa", t, 10) for t in calm_ttft])
+    mixed = http_run([("short_qa", t, 14) for t in slow] + [(st.LONG, 2000.0 + 100 * k, 50) for k in range(6)])
+    lr = st.long_report(calm, mixed, SLOS)
+    e = np.percentile(slow, 90) / np.percentile(calm_ttft, 90)
+    assert lr.ttft_growth == pytest.approx(e, rel=1e-3) and lr.tpot_growth == pytest.approx(1.4)
+    assert lr.ttft["verdict"] == "worse" and st.LONG not in lr.table.index
+    assert lr.table.loc["short_qa", "within SLO calm"] > lr.table.loc["short_qa", "within SLO mixed"]
+    q = lab08.q7_ttft_growth(calm, mixed)
+    assert q.evaluate(round(e, 2)).ok
+    ok = mixed.requests
+    assert "long requests themselves" in q.evaluate(1000 * ok.ttft_s.quantile(0.9) / np.percentile(calm_ttft, 90)).message
+    assert "medians" in q.evaluate(float(np.median(slow) / np.median(calm_ttft))).message
+    assert "difference in ms" in q.evaluate(np.percentile(slow, 90) - np.percentile(calm_ttft, 90)).message
+    assert "upside down" in q.evaluate(1 / e).message
+    assert not q.evaluate(1.0).ok
+    assert q.indistinct_mistakes() == []
+    assert verified_under_ci(q, monkeypatch)
+
+
+def test_kv_cut_report_reads_the_metrics_and_the_objectives():
+    from course import lab08_stress as st
+
+    def gauges(kv, waiting, preempted):
+        return pd.DataFrame({"t_s": [0.0, 0.5, 1.0], "num_running": [1, 2, 1], "num_waiting": [0, waiting, 0],
+                             "kv_cache_usage": [0.1, kv, 0.2], "num_preemptions": [0, preempted, preempted]})
+    full = http_run([("short_qa", 50, 10)] * 10, gauges(0.4, 0, 0))
+    cut = http_run([("short_qa", 50, 10)] * 6 + [("short_qa", 400, 10)] * 4, gauges(1.0, 3, 2))
+    rep = st.kv_cut_report(full, cut, SLOS)
+    assert rep.observable and not rep.held                       # 60 % within SLO < 90 %
+    assert rep.table.loc["preemptions", "cut KV pool"] == 2 and rep.table.loc["peak waiting", "full KV pool"] == 0
+    assert rep.table.loc["within SLO", "cut KV pool"] == pytest.approx(0.6)
+    calm = st.kv_cut_report(full, full, SLOS)
+    assert not calm.observable and calm.held                     # nothing changed: nothing to see
+
+
+def test_a_restart_can_come_back_on_another_engine():
+    from minserve import LLM
+    from minserve.lab.local_server import serve
+    a, b = (LLM("tiny-llama", max_num_seqs=2, num_kv_blocks=n) for n in (64, 8))
+    srv = serve(a)
+    new = srv.restart(0.0, engine=b)
+    try:
+        assert new.base_url == srv.base_url and new.engine is b.llm_engine and not srv.running
+        r = httpx.post(f"{new.base_url}/v1/completions", json={"model": new.model_name, "prompt": "hi",
+                                                               "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        new.stop()

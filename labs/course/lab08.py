@@ -4,6 +4,7 @@ run's own frames, so what it accepts is what this run measured."""
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
@@ -168,4 +169,36 @@ def q6_lost(report) -> NumberCheck:
         namespace=lambda: {"drill": report},
         explanation="A restart costs the requests in flight and those that arrive while it is down; "
                     "a client that retries (idempotent completions) gets most of them back.",
+        mistakes=mistakes)
+
+
+def q7_ttft_growth(calm, mixed) -> NumberCheck:
+    """By what factor did the other classes' p90 TTFT grow with long requests mixed in?
+    ``calm`` / ``mixed``: the drill's two runs (RunResult; the long ones are labelled "long")."""
+    from course.lab08_stress import LONG
+
+    def p90(frame, col="ttft_s"):
+        return 1000 * float(frame[frame.success][col].quantile(0.9))
+    c, m = (r.requests[r.requests.label != LONG] for r in (calm, mixed))
+    e = p90(m) / p90(c)
+    mistakes = [
+        Mistake("that counts the long requests themselves: the question is what they cost "
+                "the others.", value=p90(mixed.requests) / p90(c), rel_tol=0.03),
+        Mistake("that is the ratio of the medians: the tail is what the objective judges.",
+                value=float(m[m.success].ttft_s.median() / c[c.success].ttft_s.median()), rel_tol=0.03),
+        Mistake("that is the difference in ms; the question asks for the factor (mixed / calm).",
+                value=p90(m) - p90(c), rel_tol=0.03),
+        Mistake("that is calm / mixed, upside down.", value=p90(c) / p90(m), rel_tol=0.03)]
+    # A mistake whose number is the right one's (within the tolerance) would reject a right answer.
+    mistakes = [x for x in mistakes if not math.isclose(x.value, e, rel_tol=0.03, abs_tol=0.02)]
+    return NumberCheck(
+        "Exercise 7", e, unit="x", rel_tol=0.03, abs_tol=0.02,
+        tolerance_why="rounding to two digits",
+        hint="the answered requests that are not labelled 'long', p90 of ttft_s in each run, "
+             "then mixed / calm.",
+        solution='def p90(run):\n    ok = run.requests.query("success and label != \'long\'")\n'
+                 '    return ok.ttft_s.quantile(0.9)\nanswer = p90(mixed) / p90(calm)',
+        namespace=lambda: {"calm": calm, "mixed": mixed},
+        explanation="A long prompt's prefill takes the step budget that other requests' first "
+                    "tokens wait for, and a long answer holds a seat and KV blocks the whole time.",
         mistakes=mistakes)

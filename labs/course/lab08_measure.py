@@ -232,6 +232,28 @@ def compare(before: list, after: list, cls: str, metric: str = "ttft_s", alpha: 
             "verdict": verdict}
 
 
+# ---- the quality gate, when numerics changed -----------------------------------------------------
+
+# Engine arguments that change the model's numbers (not only its speed): a change of one of them
+# is a win only after the quality gate passes on it.
+NUMERIC_ARGS = ("quantization", "kv_cache_dtype", "dtype", "model")
+
+
+def touches_numerics(change_args: dict) -> bool:
+    """Whether the one change (engine arguments, e.g. ``{"quantization": "int8"}``) can change a
+    token: seats, budgets, chunking, caching and greedy-verified speculation cannot."""
+    return any(k in NUMERIC_ARGS for k in change_args)
+
+
+def gated_win(verdict: str, change_args: dict, run_gate) -> tuple[bool, bool | None]:
+    """Step 6 of the method: (is it a win, did the gate pass). ``run_gate()`` runs the quality
+    gate and returns whether it passed; it is called only when the change touches numerics
+    (otherwise the gate's answer is None: not needed). A failed gate blocks the win whatever
+    the latency verdict; a win needs the verdict "better"."""
+    gate_passed = bool(run_gate()) if touches_numerics(change_args) else None
+    return verdict == "better" and gate_passed is not False, gate_passed
+
+
 # ---- the run's manifest -------------------------------------------------------------------------
 
 def manifest(llm, workload, run, **bench) -> dict:
@@ -239,8 +261,13 @@ def manifest(llm, workload, run, **bench) -> dict:
     name, version and hashes, model file hashes, code and kernel build, hardware, the engine's
     whole configuration and the machine's load during the run."""
     from minserve.bench.manifest import build_manifest, config_dict
-    engine = llm.llm_engine
+    from minserve.lab.target import RemoteLLM
     load = run.load.as_dict() if getattr(run, "load", None) is not None else None
+    if isinstance(llm, RemoteLLM):   # the lab's target: its configuration is the server's to tell
+        return build_manifest(workload=workload.describe(), model=llm.model, engine=None,
+                              server={"kind": "lab target (lab 08)", "base_url": llm.base_url},
+                              bench={**run.settings, **bench}, load=load)
+    engine = llm.llm_engine
     return build_manifest(workload=workload.describe(), model=engine.config.model,
                           engine=config_dict(engine.config), server={"kind": "in-process (lab 08)"},
                           bench={**run.settings, **bench}, load=load)

@@ -139,15 +139,17 @@ class LocalServer:
             if _by_engine.get(id(self.engine)) is self:
                 del _by_engine[id(self.engine)]
 
-    def restart(self, down_s: float = 0.0) -> "LocalServer":
+    def restart(self, down_s: float = 0.0, engine=None) -> "LocalServer":
         """What a replica restart looks like to its clients: stop this server (requests in flight
         get 503, new connections are refused), stay down ``down_s`` seconds, then a new server
         with the same policy on the same port (fresh admission state, as after a real restart;
-        the engine and its weights stay loaded). Returns the new server."""
+        the engine and its weights stay loaded). ``engine`` (an LLM or LLMEngine): come back on
+        that one instead, as a restart with other settings does (e.g. a smaller KV budget).
+        Returns the new server."""
         port = int(self.base_url.rsplit(":", 1)[1]) if self.base_url else 0
         self.stop()
         time.sleep(max(0.0, down_s))
-        return LocalServer(self.engine, **self._options).start(port)
+        return LocalServer(self.engine if engine is None else engine, **self._options).start(port)
 
     def __enter__(self) -> "LocalServer":
         return self.start()
