@@ -30,6 +30,7 @@ one attribute per step and per block operation), and no logits are copied.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -143,3 +144,28 @@ class StepObservers:
         result = StepResult(step, tokens, tuple(r.request_id for r in finished))
         for o in self.observers:
             o.on_step_end(result)
+
+
+class PlantedSlowdown(StepObserver):
+    """Makes every model step ``fraction`` slower (0.10: each step takes 10 % longer): it times
+    the step from its schedule to its end and then sleeps that fraction of it. A known regression
+    to plant, so a comparison's power can be measured (benchmarks/bench_compare_noise.py) and a
+    lab can watch a gate catch it; it changes no token."""
+
+    def __init__(self, fraction: float):
+        if not 0 <= fraction <= 10:
+            raise ValueError(f"fraction must be in [0, 10] (0.1 = 10 % slower), got {fraction}")
+        self.fraction = fraction
+        self.slept_s = 0.0
+        self._start: float | None = None
+
+    def on_schedule(self, batch: ScheduledBatch) -> None:
+        self._start = time.perf_counter()
+
+    def on_step_end(self, result: StepResult) -> None:
+        if self._start is None:
+            return
+        extra = self.fraction * (time.perf_counter() - self._start)
+        self._start = None
+        time.sleep(extra)
+        self.slept_s += extra
