@@ -59,6 +59,16 @@ class ServerState:
     prepare_pool: ThreadPoolExecutor | None = None  # lives with the app's lifespan
     tools: ToolConfig | None = None                 # --enable-auto-tool-choice, --tool-call-parser
     open_flights: int = 0                           # admitted requests not yet closed (drain waits)
+    router: object | None = None                    # named routes (routed_app.py); None: one engine
+    metrics_registry: object | None = None          # /metrics; None: the engine's own registry
+
+    def begin_drain(self) -> None:
+        for st in self.router.states() if self.router else (self,):
+            st.admission.begin_drain()
+
+    def fail_all(self, failure: RequestFailed) -> None:
+        for st in self.router.states() if self.router else (self,):
+            st.async_engine.fail_all(failure)
 
 
 class ClientGone(Exception):
@@ -261,6 +271,8 @@ async def _final_outputs(outputs: _Outputs, flight: _Flight, st: ServerState, re
 
 async def _serve(request: Request, body, kind: str):
     st: ServerState = request.app.state.minserve
+    if st.router is not None:
+        return await st.router.serve(request, body, kind)
     arrived = time.monotonic()  # deadlines count from here
     p = await _prepare(st, body, kind)
     tickets = _tickets(request, body, p)
@@ -312,7 +324,8 @@ def _routes(app: FastAPI) -> None:
     @get_and_head(app, "/metrics")
     async def metrics(request: Request):
         st: ServerState = request.app.state.minserve
-        return Response(generate_latest(st.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        registry = st.metrics_registry or st.engine.metrics.registry
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def _error_handlers(app: FastAPI) -> None:
@@ -341,16 +354,10 @@ def _error_handlers(app: FastAPI) -> None:
                                        f"{type(exc).__name__}: {exc}"))
 
 
-def create_app(engine, *, served_model_name: str | None = None,
-               admission: AdmissionConfig | AdmissionController | None = None,
-               auth: Auth | None = None, limits: RequestLimits | None = None,
-               tools: ToolConfig | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine`` (an LLMEngine). The engine thread starts and stops with
-    the app's lifespan; ``app.state.minserve`` holds the pieces (tests and the CLI use it).
-    One app per engine: the admission counters are registered in the engine's registry.
-    ``auth``: API keys, their tenants and the /metrics policy (auth.py); None serves without keys.
-    ``limits``: body size, prompt characters and stop strings (limits.py; None: the defaults).
-    ``tools``: the tool-call flags (tool_parsers/plan.py; None: "auto" tool choice is refused)."""
+def server_state(engine, served_model_name: str | None = None,
+                 admission: AdmissionConfig | AdmissionController | None = None,
+                 limits: RequestLimits | None = None, tools: ToolConfig | None = None) -> ServerState:
+    """The pieces serving one engine: its engine thread and its admission (create_app's)."""
     if not isinstance(admission, AdmissionController):
         # The budgets and the deadline model need the engine's shape, which only it knows.
         cfg = dataclasses.replace(admission or AdmissionConfig(),
@@ -361,9 +368,22 @@ def create_app(engine, *, served_model_name: str | None = None,
     # the tokens a step produced, not its rows.
     on_step = (lambda s: admission.observe_step(s.step_time_s, s.num_prefill_tokens, s.num_decode_tokens,
                                                 s.num_spec_tokens, s.num_accepted_spec_tokens))
-    st = ServerState(engine, AsyncEngine(engine, on_step, on_running=admission.observe_running),
-                     admission, served_model_name or engine.config.model, int(time.time()),
-                     limits or RequestLimits(), tools=tools)
+    return ServerState(engine, AsyncEngine(engine, on_step, on_running=admission.observe_running),
+                       admission, served_model_name or engine.config.model, int(time.time()),
+                       limits or RequestLimits(), tools=tools)
+
+
+def create_app(engine, *, served_model_name: str | None = None,
+               admission: AdmissionConfig | AdmissionController | None = None,
+               auth: Auth | None = None, limits: RequestLimits | None = None,
+               tools: ToolConfig | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an LLMEngine). The engine thread starts and stops with
+    the app's lifespan; ``app.state.minserve`` holds the pieces (tests and the CLI use it).
+    One app per engine: the admission counters are registered in the engine's registry.
+    ``auth``: API keys, their tenants and the /metrics policy (auth.py); None serves without keys.
+    ``limits``: body size, prompt characters and stop strings (limits.py; None: the defaults).
+    ``tools``: the tool-call flags (tool_parsers/plan.py; None: "auto" tool choice is refused)."""
+    st = server_state(engine, served_model_name, admission, limits, tools)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -372,7 +392,7 @@ def create_app(engine, *, served_model_name: str | None = None,
         try:
             yield
         finally:
-            st.admission.begin_drain()
+            st.admission.begin_drain()  # this engine's: a routed app drains the others (routed_app.py)
             # The join blocks; keep it off the event loop.
             await asyncio.to_thread(st.async_engine.stop)
             st.prepare_pool.shutdown(wait=False)

@@ -55,8 +55,13 @@ from minserve.server.protocol import error_body
 PRINCIPAL_SCOPE_KEY = "minserve.principal"  # where the middleware leaves the caller for the handlers
 TOKENIZER_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")  # endpoints.py
 ADMIN_ROUTES = ("/reset_prefix_cache",)  # endpoints.py: they change what every tenant sees
+ROUTES_PREFIX = "/routes"  # routed_app.py: the canary's controls and every tenant's latencies
 ENTRY_FIELDS = {"key", "key_sha256", "tenant", "priority_class", "admin"}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _admin_only(path: str) -> bool:
+    return path in ADMIN_ROUTES or path == ROUTES_PREFIX or path.startswith(ROUTES_PREFIX + "/")
 
 
 @dataclass(frozen=True)
@@ -136,7 +141,7 @@ class Auth:
     def protects(self, path: str) -> bool:
         # The tokenizer routes too (vLLM leaves them open): they run on the threads that prepare
         # every prompt, so an anonymous flood of them would delay the keyed clients' requests.
-        return (path.startswith("/v1") or path in TOKENIZER_ROUTES or path in ADMIN_ROUTES
+        return (path.startswith("/v1") or path in TOKENIZER_ROUTES or _admin_only(path)
                 or (self.metrics_require_admin and path == "/metrics"))
 
     def refusal(self, path: str, principal: Principal | None) -> JSONResponse | None:
@@ -145,7 +150,7 @@ class Auth:
             body = error_body(401, "Unauthorized: send a valid API key as 'Authorization: Bearer "
                               "<key>'", code="invalid_api_key")
             return JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
-        if (path == "/metrics" or path in ADMIN_ROUTES) and not principal.admin:
+        if (path == "/metrics" or _admin_only(path)) and not principal.admin:
             return JSONResponse(error_body(403, f"Forbidden: {path} needs an admin API key",
                                            code="forbidden"), 403)
         return None

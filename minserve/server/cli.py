@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="open connections at most; at the limit the oldest one without a complete "
                            "request head is closed to let a new one in (default: the fd limit "
                            f"less headroom, here {default_max_connections()})")
+    routes = ap.add_argument_group("named routes, canary and downgrade (docs/serving/routes.md)")
+    routes.add_argument("--route", action="append", default=None, metavar="NAME[:KEY=VALUE,...]",
+                        help="a named route with its own engine (engine flags as keys, e.g. "
+                             "int4:quantization=int4); repeatable; the first is the default")
+    routes.add_argument("--routes", metavar="PATH", help="JSON routes file: routes, default, canary, "
+                                                         "downgrade, explicit_route")
     tools = ap.add_argument_group("tool calls (docs/serving/index.md)")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='let the model decide when to call tools (tool_choice="auto"); '
@@ -201,6 +207,22 @@ def auth_config(a: argparse.Namespace):
     return Auth.from_options(keys, a.api_keys_file, a.metrics_require_admin)
 
 
+def routes_config_of(a: argparse.Namespace):
+    """The RoutesConfig of --routes or --route flags, or None (one engine, as without them)."""
+    from minserve.server.routes import RoutesConfig, load_routes_file, parse_route_flag
+    if a.routes and a.route:
+        raise ValueError("--route and --routes: give one of the two (a routes file holds its routes)")
+    if a.routes:
+        return load_routes_file(a.routes, a.model if getattr(a, "model_given", True) else None)
+    if not a.route:
+        return None
+    pairs = [parse_route_flag(text) for text in a.route]
+    names = [n for n, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--route: each name once, got {names}")
+    return RoutesConfig(a.model, dict(pairs), names[0])
+
+
 def request_limits(a: argparse.Namespace) -> RequestLimits:
     return RequestLimits(max_body_bytes=a.max_request_body_bytes, max_prompt_chars=a.max_prompt_chars)
 
@@ -234,7 +256,7 @@ def make_server(app, host: str, port: int, drain_timeout_s: float, log_level: st
             if st.admission.draining or self.should_exit or loop is None:
                 return super().handle_exit(sig, frame)
             log.info("draining: refusing new requests, letting admitted ones finish")
-            st.admission.begin_drain()
+            st.begin_drain()  # every route's admission
             # A signal handler runs between bytecodes; hand the work to the loop properly.
             loop.call_soon_threadsafe(self._start_drain)
 
@@ -252,7 +274,7 @@ def make_server(app, host: str, port: int, drain_timeout_s: float, log_level: st
                 log.warning("drain timeout of %g s passed: failing %d requests still in flight",
                             drain_timeout_s, st.open_flights)
                 from minserve.server.async_engine import RequestFailed
-                st.async_engine.fail_all(RequestFailed(
+                st.fail_all(RequestFailed(
                     f"the server is shutting down: the drain timeout of {drain_timeout_s:g} s passed "
                     "before this request finished; retry it on another replica", 503, "draining"))
                 # Uvicorn's exit would cut the streams; let them write the error and [DONE] first.
@@ -280,6 +302,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.model_tag and a.model and a.model_tag != a.model:
         ap.error(f"the model is given twice: MODEL {a.model_tag!r} and --model {a.model!r}; give one")
+    a.model_given = bool(a.model_tag or a.model)  # a routes file names its model otherwise
     a.model = a.model_tag or a.model or DEFAULT_MODEL
     return a
 
@@ -289,18 +312,25 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     from minserve.engine.llm_engine import LLMEngine
     from minserve.server.app import create_app
+    from minserve.server.routed_app import create_routed_app
     try:
         auth = auth_config(a)  # first: a bad keys file should not wait for the model to load
         connections = connection_limits(a)
         tools = ToolConfig(a.enable_auto_tool_choice, a.tool_call_parser)
-        engine = LLMEngine.from_engine_args(a.model, **engine_kwargs(a))
+        routes = routes_config_of(a)
+        if routes:  # each route's engine: the common flags, then the route's own arguments
+            engines = {n: LLMEngine.from_engine_args(routes.model, **{**engine_kwargs(a), **kw})
+                       for n, kw in routes.routes.items()}
+            engine = engines[routes.default]
+        else:
+            engine = LLMEngine.from_engine_args(a.model, **engine_kwargs(a))
         admission = admission_config(a)
         limits = request_limits(a)
     except ValueError as e:
         print(f"minserve serve: {e}", file=sys.stderr)
         return 2
-    app = create_app(engine, served_model_name=a.served_model_name, admission=admission, auth=auth,
-                     limits=limits, tools=tools)
+    kw = dict(served_model_name=a.served_model_name, admission=admission, auth=auth, limits=limits, tools=tools)
+    app = create_routed_app(engines, routes, **kw) if routes else create_app(engine, **kw)
     server = make_server(app, a.host, a.port, a.drain_timeout, a.log_level.lower(), connections)
     # After uvicorn.Config, which sets up uvicorn's log handlers: an fd-exhaustion flood (asyncio's
     # accept errors, "Too many open files") must not fill the disk.
