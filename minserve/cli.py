@@ -1,4 +1,4 @@
-"""`minserve` command line: serve | bench serve | bench sweep | generate | eval | plan | prepare | doctor.
+"""`minserve` command line: serve | bench serve | bench sweep | bench compare | gate | generate | eval | plan | prepare | doctor.
 
 Subcommands import their modules lazily, so `minserve generate` does not pay for FastAPI and
 `minserve serve` does not pay for the load generator.
@@ -28,7 +28,7 @@ def _generate(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = ("usage: minserve {serve,bench serve,bench sweep,generate,eval,plan,prepare,doctor} [options]  "
+    usage = ("usage: minserve {serve,bench serve,bench sweep,bench compare,gate,generate,eval,plan,prepare,doctor} [options]  "
              "(-h after a command for its options)")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "bench":  # bench serve | bench sweep ...
         from minserve.bench.cli import bench_main
         return bench_main(rest)
+    if cmd == "gate":  # the release gate (minserve/bench/gate.py)
+        from minserve.bench.gate_cli import main as gate_main
+        return gate_main(rest)
     if cmd == "generate":
         return _generate(rest)
     if cmd == "eval":

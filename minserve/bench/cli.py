@@ -333,13 +333,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 BENCH_USAGE = ("usage: minserve bench serve [options]\n"
-               "       minserve bench sweep {serve,plot,plot_pareto} [options]")
+               "       minserve bench sweep {serve,plot,plot_pareto} [options]\n"
+               "       minserve bench compare BASE NEW [options]\n"
+               "       minserve bench gate --policy POLICY --baseline B --candidate C")
 
 
 def bench_main(argv: list[str]) -> int:
-    """``minserve bench serve | sweep ...``."""
+    """``minserve bench serve | sweep | compare | gate ...``."""
     if argv and argv[0] == "serve":
         return main(argv[1:])
+    if argv and argv[0] == "compare":
+        from minserve.bench.compare_report import main as compare_main
+        return compare_main(argv[1:])
+    if argv and argv[0] == "gate":
+        from minserve.bench.gate_cli import main as gate_main
+        return gate_main(argv[1:])
     if argv and argv[0] == "sweep":
         from minserve.bench.sweep_cli import main as sweep_main
         return sweep_main(argv[1:])
