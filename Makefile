@@ -74,9 +74,14 @@ labs-sync: venv
 # real vLLM instead of skipping (~2 min once per machine: the venv lives outside the clone, and is a
 # no-op after that; the tests add 1-2.5 min). Elsewhere `make test WITH_VLLM=1` opts in; without the
 # venv those tests skip, naming `make vllm-venv`. A failed setup fails CI rather than skip silently.
+#
+# TEST_WORKERS pytest-xdist processes share the work, one file at a time each (--dist loadfile: a
+# notebook's cells, and a module's fixtures, stay in one process), one thread each
+# (tests/conftest.py). TEST_WORKERS=0 runs everything in this one process.
 WITH_VLLM ?= $(CI)
+TEST_WORKERS ?= 2
 test: venv $(if $(filter-out 0 false,$(WITH_VLLM)),vllm-venv,)
-	MINSERVE_LAB_CI=1 $(VPY) -m pytest -q tests labs --nbval-lax
+	MINSERVE_LAB_CI=1 $(VPY) -m pytest -q tests labs --nbval-lax -n $(TEST_WORKERS) --dist loadfile
 
 # The documentation site: pages in docs/, the labs' notebooks rendered as they are (not executed),
 # the API reference from the docstrings. --strict turns every warning (a link to a missing page,

@@ -1,4 +1,5 @@
 import logging
+import os
 import random
 import sys
 from pathlib import Path
@@ -8,6 +9,15 @@ import pytest
 import torch
 
 logging.getLogger("minserve").setLevel(logging.ERROR)
+
+# `make test` runs the suite in two pytest-xdist workers (one per core, a test file per worker at a
+# time). Each takes one thread: two workers at PyTorch's default of two threads each would ask four
+# threads of two cores, and OpenMP teams that wait on a descheduled thread run many times slower.
+# The environment variable carries the limit into what a test starts (servers, notebook kernels);
+# a test that wants a team of two asks for it explicitly (tests/test_contention.py does).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 # Each lab's exercises live beside its notebook in labs/course/ (course content, not toolkit); the
 # notebooks import them as `course.labNN` from labs/, and so do the tests of those exercises.

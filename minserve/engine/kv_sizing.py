@@ -148,7 +148,30 @@ def allocate_layer_kv(model: ModelConfig, num_blocks: int, block_size: int, dtyp
                                                          model.head_dim, device) for _ in range(2))
         return k, v, k_scales, v_scales
     shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+    return zeros_on_demand(shape, dtype, device), zeros_on_demand(shape, dtype, device)
+
+
+# Below this size torch.zeros is as cheap as anything; above it, writing the zeros costs real time.
+_ON_DEMAND_MIN_BYTES = 1 << 20
+_ALIGN = 64   # one cache line: what torch's own CPU allocator gives, and what AVX-512 loads like
+
+
+def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """A zeroed tensor whose CPU pages the OS zeroes on first touch instead of now.
+
+    ``torch.zeros`` writes every byte at allocation: 2 s for the CPU default's 1 GiB cache, paid by
+    every engine start (and a notebook's first cell) even when a run touches a few blocks. A large
+    ``calloc`` (numpy's zeros) maps pages the kernel hands out already zeroed, as they are first
+    written, so the cost moves to the blocks actually used. The cache must be zeros, not garbage:
+    attention reads whole blocks and masks the unused slots, and a NaN left in one would survive
+    the mask (0 x NaN). Other devices, and small tensors, take ``torch.zeros``."""
+    nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+    if torch.device(device).type != "cpu" or nbytes < _ON_DEMAND_MIN_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+    raw = np.zeros(nbytes + _ALIGN, dtype=np.uint8)
+    skip = -raw.ctypes.data % _ALIGN
+    return torch.from_numpy(raw[skip:skip + nbytes]).view(dtype).view(shape)
 
 
 def allocate_kv_tensors(model: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype,
