@@ -112,10 +112,12 @@ def run_all(notebooks, runs: int, conditions: list[str], out: Path, timeout_s: i
                     r = execute(nb, target, results_dir, timeout_s)
                 lessons = lessons_of(results_dir, lab, before)
                 # The probe above counts the notebook's own kernel (another process) as load; the
-                # notebook measures the others itself: its last lesson's load, since lab.setup().
+                # notebook measures the others itself. A lesson's load covers its window: since
+                # lab.setup() for most, one run's for a lesson given its run's load (lab 08's
+                # drills); the longest window is the one closest to the whole lab's run.
                 measured = [x["load"] for x in lessons if x.get("load")]   # timing lessons carry one
                 if measured:
-                    r["load"] = measured[-1]
+                    r["load"] = max(measured, key=lambda x: x.get("seconds") or 0)
                 row = {"lab": lab, "notebook": nb.name, "condition": cond, "run": rep, **r,
                        "lessons": [{"key": x["key"], "claim": x["claim"], "shown": x["shown"],
                                     "explained": bool(x["causes"])} for x in lessons]}

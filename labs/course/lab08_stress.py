@@ -19,6 +19,7 @@ import pandas as pd
 from course.lab08_measure import compare, met
 
 LONG = "long"        # the label of the long requests, kept apart from the mix's four classes
+NEAR_FULL = 0.8      # KV use at which a pool counts as at its top (kv_cut_report)
 
 
 # ---- long requests ------------------------------------------------------------------------------
@@ -116,5 +117,6 @@ def kv_cut_report(full, cut, slos: dict, target: float = 0.9) -> KVCutReport:
                 "within SLO": float(met(df, slos).mean()), "failed": int((~df.success).sum())}
     table = pd.DataFrame({"full KV pool": col(full), "cut KV pool": col(cut)})
     f, c = table["full KV pool"], table["cut KV pool"]
-    observable = bool(c["peak KV use"] >= 0.9 or c["preemptions"] > 0 or c["peak waiting"] > f["peak waiting"])
+    # "Near the top": /metrics is sampled twice a second, so the very peak between samples is missed.
+    observable = bool(c["peak KV use"] >= NEAR_FULL or c["preemptions"] > 0 or c["peak waiting"] > f["peak waiting"])
     return KVCutReport(table, observable, bool(c["within SLO"] >= target), target)
