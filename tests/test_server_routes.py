@@ -191,3 +191,31 @@ def test_the_split_is_reproducible_bounded_and_limited_to_eligible_tickets():
     (504, "deadline_exceeded", "deadline_exceeded"), (400, "unsatisfiable_constraints", "invalid_request")])
 def test_outcomes_keep_model_errors_overload_dependencies_and_cancellations_apart(status, code, outcome):
     assert outcome_of(status, code) == outcome
+
+
+def test_a_notebook_serves_routes_on_a_local_port_and_again_after_a_stop(srv):
+    from minserve.lab.local_server import LocalServer
+    cfg = routes_config({"model": "tiny-llama", "routes": {"stable": {}, "int4": {}}, "explicit_route": "anyone"})
+    engines = {n: LLMEngine.from_engine_args("tiny-llama", num_kv_blocks=32) for n in cfg.routes}
+    for _ in range(2):  # a second server on the same engines registers its series again
+        with LocalServer(engines, routes=cfg) as local:
+            r = httpx.post(local.base_url + "/v1/completions", json=BODY, headers={"x-minserve-route": "int4"})
+            assert r.status_code == 200 and r.headers["x-minserve-route"] == "int4"
+            assert local.router.routes["int4"].served == 1
+
+
+def test_cli_route_flags_and_a_routes_file(tmp_path):
+    from minserve.server.cli import parse_args, routes_config_of
+    a = parse_args(["tiny-llama", "--route", "stable", "--route", "int4:quantization=int4"])
+    cfg = routes_config_of(a)
+    assert (cfg.model, cfg.default, cfg.routes) == ("tiny-llama", "stable", {"stable": {}, "int4": {"quantization": "int4"}})
+    assert routes_config_of(parse_args(["tiny-llama"])) is None
+    path = tmp_path / "routes.json"
+    path.write_text('{"model": "tiny-llama", "routes": {"a": {}}}')
+    assert routes_config_of(parse_args(["--routes", str(path)])).model == "tiny-llama"
+    assert routes_config_of(parse_args(["smollm2-135m", "--routes", str(path)])).model == "smollm2-135m"
+    with pytest.raises(ValueError, match="--route: each name once"):
+        routes_config_of(parse_args(["--route", "a", "--route", "a"]))
+    path.write_text("{oops")
+    with pytest.raises(ValueError, match="is not JSON"):
+        routes_config_of(parse_args(["--routes", str(path)]))

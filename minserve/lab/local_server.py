@@ -68,25 +68,36 @@ class LocalServer:
     force, with the engine's ``parallel_slots`` and ``kv_bytes_per_token`` filled in)."""
 
     def __init__(self, target, *, admission=None, auth=None, limits=None,
-                 served_model_name: str | None = None, start_timeout_s: float = 60.0):
+                 served_model_name: str | None = None, start_timeout_s: float = 60.0, routes=None):
         from minserve.server import create_app
-        self.engine = _engine_of(target)
+        # ``routes`` (a RoutesConfig): ``target`` maps each route's name to its LLM or LLMEngine,
+        # and the app is the routed one (docs/serving/routes.md); ``engine`` is the default route's.
+        engines = None if routes is None else {n: _engine_of(t) for n, t in target.items()}
+        self._target, self._engines = target, list(engines.values()) if engines else [_engine_of(target)]
+        self.engine = engines[routes.default] if engines else _engine_of(target)
         with _lock:
             old = _by_engine.get(id(self.engine))
         if old is not None:
             old.stop()  # one server per engine: a re-run cell replaces the previous server
         else:
-            _drop_admission_series(self.engine)  # left by a server that never started
+            for engine in self._engines:  # left by a server that never started
+                _drop_admission_series(engine)
         if self.engine.has_unfinished_requests():
             raise RuntimeError("the engine still has unfinished requests; finish or abort them "
                                "before serving it (the server's engine thread must own it alone)")
-        self.app = create_app(self.engine, served_model_name=served_model_name, admission=admission,
-                              auth=auth, limits=limits)
+        if routes is None:
+            self.app = create_app(self.engine, served_model_name=served_model_name, admission=admission,
+                                  auth=auth, limits=limits)
+        else:
+            from minserve.server.routed_app import create_routed_app
+            self.app = create_routed_app(engines, routes, served_model_name=served_model_name,
+                                         admission=admission, auth=auth, limits=limits)
         self.state = self.app.state.minserve
         self.admission = self.state.admission
         self.model_name = self.state.model_name
         self.start_timeout_s = start_timeout_s
-        self._options = dict(admission=admission, auth=auth, limits=limits,
+        self.router = self.state.router  # None without routes
+        self._options = dict(admission=admission, auth=auth, limits=limits, routes=routes,
                              served_model_name=served_model_name, start_timeout_s=start_timeout_s)
         self.base_url: str | None = None
         self._server = self._thread = self._sock = None
@@ -109,7 +120,8 @@ class LocalServer:
         deadline = time.monotonic() + self.start_timeout_s
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                _drop_admission_series(self.engine)
+                for engine in self._engines:
+                    _drop_admission_series(engine)
                 raise RuntimeError("the local server did not start (see the messages above); "
                                    f"waited {self.start_timeout_s:.0f} s")
             time.sleep(0.02)
@@ -134,7 +146,8 @@ class LocalServer:
         if self._sock is not None:
             self._sock.close()
         self._thread = self._server = self._sock = None
-        _drop_admission_series(self.engine)
+        for engine in self._engines:
+            _drop_admission_series(engine)
         with _lock:
             if _by_engine.get(id(self.engine)) is self:
                 del _by_engine[id(self.engine)]
@@ -149,7 +162,8 @@ class LocalServer:
         port = int(self.base_url.rsplit(":", 1)[1]) if self.base_url else 0
         self.stop()
         time.sleep(max(0.0, down_s))
-        return LocalServer(self.engine if engine is None else engine, **self._options).start(port)
+        target = (self._target if self.router else self.engine) if engine is None else engine
+        return LocalServer(target, **self._options).start(port)
 
     def __enter__(self) -> "LocalServer":
         return self.start()
@@ -188,7 +202,7 @@ class LocalServer:
 
 
 def serve(target, *, admission=None, auth=None, limits=None, served_model_name: str | None = None,
-          start_timeout_s: float = 60.0) -> LocalServer:
+          start_timeout_s: float = 60.0, routes=None) -> LocalServer:
     """Start :func:`minserve.server.create_app` for ``target`` (an ``LLM`` or ``LLMEngine``) on a
     free local port; returns the running :class:`LocalServer`. ``admission``
     (:class:`~minserve.server.AdmissionConfig`), ``auth`` (:class:`~minserve.server.Auth`) and
@@ -196,12 +210,15 @@ def serve(target, *, admission=None, auth=None, limits=None, served_model_name: 
 
     ``target`` may be the :class:`~minserve.lab.target.RemoteLLM` a lab gets when its target is a
     server: nothing starts then, and the :class:`SharedServer` returned is that server, with its
-    own admission policy, keys and limits (the ones asked for are named once, not applied)."""
+    own admission policy, keys and limits (the ones asked for are named once, not applied).
+    ``routes`` (a :class:`~minserve.server.routes.RoutesConfig`): ``target`` is then a dict of
+    route name -> LLM or LLMEngine, served as named routes (docs/serving/routes.md)."""
     from minserve.lab.target import RemoteLLM
     if isinstance(target, RemoteLLM):   # the lab's target is a server: that server, as it is
         return SharedServer(target, admission=admission, auth=auth, limits=limits)
     return LocalServer(target, admission=admission, auth=auth, limits=limits,
-                       served_model_name=served_model_name, start_timeout_s=start_timeout_s).start()
+                       served_model_name=served_model_name, start_timeout_s=start_timeout_s,
+                       routes=routes).start()
 
 
 class SharedServer:
