@@ -353,6 +353,9 @@ def bench_main(argv: list[str]) -> int:
         return sweep_main(argv[1:])
     if argv and argv[0] in ("-h", "--help"):  # every bench command's options, on one page
         print(BENCH_USAGE + "\n\n" + build_parser().format_help())
+        from minserve.bench.compare_report import build_parser as compare_parser
+        from minserve.bench.gate_cli import build_parser as gate_parser
+        print(compare_parser().format_help() + "\n" + gate_parser().format_help())
         from minserve.bench.sweep_cli import main as sweep_main
         return sweep_main(["--help"])
     print(BENCH_USAGE, file=sys.stderr)
