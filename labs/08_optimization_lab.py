@@ -53,7 +53,8 @@
 # re-timed quiet: the only runs since were on the machine shared with the whole team (load
 # average 6 to 11 on 2 cores; other processes held 1.6 of the 2 cores), where the whole lab ran in
 # 23 min in process, the two new drills 3.0 min of it (15 % more than the rest), and 12 min
-# against a `minserve serve` target, server start included. Requests are the workload files' shapes at a tenth of their length (`length_scale=0.1`); every rate is a multiple
+# against a `minserve serve` target, server start included. Requests are the workload files'
+# shapes at a tenth of their length (`length_scale=0.1`); every rate is a multiple
 # of the capacity measured at the start, and every objective is the file's, times one factor
 # measured on the light-load baseline, so a busy or a faster machine changes the run time, not
 # the shape of the results. The `full` preset (`MINSERVE_LAB_PRESET=full`) runs half-length
