@@ -285,7 +285,9 @@ del ref_llm, q_llm, fast    # the SmolLM2 engines are not needed any more
 # canary. The rollback criterion is declared before it starts: the canary's p50 TPOT over the
 # stable route's, on their recent windows, may not exceed 1.5 once each has 6 requests. **What to
 # look for:** the state turning `rolled_back` without anyone asking, every later request on
-# `stable`, and the decision with its evidence in `GET /routes`.
+# `stable`, and the decision with its evidence in `GET /routes`. In the plot the ratio is past
+# the limit from the first requests: the criterion waits for `min_samples` on each route, so a
+# few unlucky requests cannot roll a good canary back.
 
 # %%
 OFF = {"max_ttft_p90_ratio": None, "max_e2e_p90_ratio": None, "max_bad_answer_increase": None}
