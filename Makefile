@@ -75,11 +75,13 @@ labs-sync: venv
 # no-op after that; the tests add 1-2.5 min). Elsewhere `make test WITH_VLLM=1` opts in; without the
 # venv those tests skip, naming `make vllm-venv`. A failed setup fails CI rather than skip silently.
 #
-# TEST_WORKERS pytest-xdist processes share the work, one file at a time each (--dist loadfile: a
-# notebook's cells, and a module's fixtures, stay in one process), one thread each
-# (tests/conftest.py). TEST_WORKERS=0 runs everything in this one process.
+# TEST_WORKERS=N runs the suite in N pytest-xdist processes, one file at a time each (--dist
+# loadfile: a notebook's cells, and a module's fixtures, stay in one process), one thread each
+# (tests/conftest.py). The default, 0, runs everything in this one process: on this 2-core machine
+# two workers made the run slower, not faster (measured 2026-12-02: the notebooks, built for two
+# threads and for noticing a busy machine, ran 9+ min each beside one another).
 WITH_VLLM ?= $(CI)
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 0
 test: venv $(if $(filter-out 0 false,$(WITH_VLLM)),vllm-venv,)
 	MINSERVE_LAB_CI=1 $(VPY) -m pytest -q tests labs --nbval-lax -n $(TEST_WORKERS) --dist loadfile
 
