@@ -196,11 +196,17 @@ def test_offer_records_what_each_request_got(seats2):
         assert tr.SLO(ttft_ms=0.001).met(df).sum() == 0
 
         # Deadlines: a model that believes steps are free admits everything; the queued ones
-        # expire (504 deadline_exceeded as a stream error event), the first ones finish.
+        # expire (504 deadline_exceeded as a stream error event), the first ones finish. Steps of
+        # >= 100 ms make it hold on a busy machine too: a pair of 6-token answers takes >= 0.6 s, so
+        # the third pair cannot finish within 1.5 s, while the first has 0.9 s to spare.
         optimist = AdmissionConfig(prior_prefill_s_per_token=1e-9, prior_decode_s_per_step=1e-9,
                                    ewma_alpha=1e-9)
-        with serve(seats2, admission=optimist) as srv:
-            late = tr.offer(srv.base_url, tr.calls(reqs, deadline_ms=150), live=False)
+        slower = slow_steps(seats2, 0.08)
+        try:
+            with serve(seats2, admission=optimist) as srv:
+                late = tr.offer(srv.base_url, tr.calls(reqs, deadline_ms=1500), live=False)
+        finally:
+            slower()
         out = late.requests
         assert "expired" in set(out.outcome) and "ok" in set(out.outcome)
         assert (out[out.outcome == "expired"].error_code == "deadline_exceeded").all()
