@@ -79,7 +79,10 @@ labs-sync: venv
 # loadfile: a notebook's cells, and a module's fixtures, stay in one process), one thread each
 # (tests/conftest.py). The default, 0, runs everything in this one process: on this 2-core machine
 # two workers made the run slower, not faster (measured 2026-12-02: the notebooks, built for two
-# threads and for noticing a busy machine, ran 9+ min each beside one another).
+# threads and for noticing a busy machine, ran 9+ min each beside one another; the workers'
+# OMP_NUM_THREADS=1 also reaches the notebook kernels they start, so each ran on one thread).
+# Where one run's time goes: `pytest --durations=0` (2026-12-02, a slow host: 82 min in all, 40 of
+# them the ten notebooks in process and 21 the labs run again against minserve serve and vLLM).
 WITH_VLLM ?= $(CI)
 TEST_WORKERS ?= 0
 test: venv $(if $(filter-out 0 false,$(WITH_VLLM)),vllm-venv,)
