@@ -146,3 +146,81 @@ def test_false_positive_rate_on_synthetic_same_build():
     sets = [runs[i:i + 5] for i in range(0, 120, 5)]
     regressed = sum(cmp.compare(a, b, classes=False).verdict == cmp.REGRESSED for a, b in zip(sets[::2], sets[1::2]))
     assert regressed <= 2
+
+
+def test_signed_rank_p_values_are_exact():
+    """Exact counts by hand, scipy where it is exact (no ties, no zeros), and ties counted exactly."""
+    assert stats.wilcoxon_signed_rank_p([1, 2, 3, 4, 5])[1] == pytest.approx(2 / 32)   # 5 pairs: p >= 0.0625
+    assert stats.wilcoxon_signed_rank_p([1, 2, 3, 4, 5, 6])[1] == pytest.approx(2 / 64)
+    assert stats.wilcoxon_signed_rank_p([1, 2, 3, 4, 5, 6], "greater")[1] == pytest.approx(1 / 64)
+    # Zeros dropped: d = 1, -2, 3 has W+ = 1 + 3; W+ >= 4 in 3 of the 8 sign assignments.
+    assert stats.wilcoxon_signed_rank_p([0, 0, 1, -2, 3])[:2] == (4.0, pytest.approx(2 * 3 / 8))
+    # With ties: |d| = 1, 1, 2 has ranks 1.5, 1.5, 3, and d = 1, -1, 2 has W+ = 4.5; of the 8 sign
+    # assignments (sums 0, 1.5, 1.5, 3, 3, 4.5, 4.5, 6) W+ >= 4.5 in 3.
+    assert stats.wilcoxon_signed_rank_p([1, -1, 2], "greater")[1] == pytest.approx(3 / 8)
+    scipy_stats = pytest.importorskip("scipy.stats")
+    rng = np.random.default_rng(3)
+    for n in (6, 9, 14):
+        d = rng.normal(0.4, 1, n)
+        for alt in ("two-sided", "greater", "less"):
+            ref = scipy_stats.wilcoxon(d, alternative=alt, method="exact")
+            assert stats.wilcoxon_signed_rank_p(d, alt)[1] == pytest.approx(ref.pvalue, rel=1e-9)
+    d = rng.normal(0.2, 1, 30)
+    ref = scipy_stats.wilcoxon(d, method="approx", correction=False)
+    assert stats.wilcoxon_signed_rank_p(d)[1] == pytest.approx(ref.pvalue, rel=1e-9)
+
+
+def test_paired_ratio_interval_resamples_pairs():
+    base = np.array([10.0, 20, 10, 20, 10, 20, 10, 20])        # the machine's speed swings 2x
+    lo, hi = stats.bootstrap_paired_ratio_ci(base, base * 1.1)
+    assert lo == pytest.approx(1.1) and hi == pytest.approx(1.1)
+    with pytest.raises(ValueError, match="equal lengths"):
+        stats.bootstrap_paired_ratio_ci(base, base[:3])
+
+
+def drifting_sides(share: float, k: int = 8, seed: int = 0):
+    """k rounds on a machine that is 2x slower in some of them: BASE and NEW of a round share its
+    speed, NEW slower by ``share``, with 2 % noise per run."""
+    rng = np.random.default_rng(seed)
+    speed = np.where(rng.random(k) < 0.4, 2.0, 1.0)
+    base = [fake_run(s, 10 * i) for i, s in enumerate(speed)]
+    new = [fake_run(s * (1 + share), 10 * i + 5) for i, s in enumerate(speed)]
+    return base, new
+
+
+def test_paired_compare_sees_through_a_drifting_machine():
+    """A 10 % slowdown on a machine whose speed swings 2x between rounds: the unpaired compare
+    cannot separate it from the swings; pairing each round's two runs can. The same build twice
+    under the same swings is not called a regression either way."""
+    base, new = drifting_sides(0.10)
+    assert cmp.compare(base, new, classes=False).verdict == cmp.INCONCLUSIVE
+    paired = cmp.compare(base, new, classes=False, paired=True)
+    assert paired.verdict == cmp.REGRESSED and paired.paired and paired.to_json()["paired"] is True
+    row = next(r for r in paired.rows if r.metric == "p50_tpot_ms")
+    assert 0.05 < row.change < 0.15 and row.p_value < 0.05
+    same_base, same_new = drifting_sides(0.0, seed=1)
+    assert cmp.compare(same_base, same_new, classes=False, paired=True).verdict != cmp.REGRESSED
+    five = drifting_sides(0.10, k=5)       # five pairs: the test's smallest p is 0.0625
+    assert cmp.compare(*five, classes=False, paired=True).verdict == cmp.INCONCLUSIVE
+    with pytest.raises(ValueError, match="as many NEW runs as BASE runs"):
+        cmp.compare(base, new[:5], paired=True)
+
+
+def test_cli_paired_flag(tmp_path, capsys):
+    base, new = drifting_sides(0.25)
+    for name, side in (("b", base), ("n", new)):
+        (tmp_path / name).mkdir()
+        for i, r in enumerate(side):
+            (tmp_path / name / f"run={i}.json").write_text(json.dumps(r))
+    assert cli_main(["bench", "compare", str(tmp_path / "b"), str(tmp_path / "n"), "--paired"]) == 1
+    assert "paired" in capsys.readouterr().out
+    assert cli_main(["bench", "compare", str(tmp_path / "b"), str(tmp_path / "b" / "run=0.json"), "--paired"]) == 2
+    assert "as many NEW runs" in capsys.readouterr().err
+
+
+def test_a_folders_runs_are_ordered_by_number(tmp_path):
+    """run=10 after run=9: a paired compare matches runs by this order."""
+    from minserve.bench.compare_runs import result_files
+    for k in (0, 2, 10, 1):
+        (tmp_path / f"run={k}.json").write_text("{}")
+    assert [p.name for p in result_files(tmp_path)] == ["run=0.json", "run=1.json", "run=2.json", "run=10.json"]

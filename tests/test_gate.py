@@ -90,3 +90,21 @@ def test_unmanifested_results_are_inconclusive(dirs, tmp_path):
     for i in range(5):
         (d / f"run={i}.json").write_text(json.dumps(fake_run(1.0, 900 + i, manifest=None)))
     assert cli_main(["bench", "gate", "--baseline", str(dirs["base"]), "--candidate", str(d)]) == 2
+
+
+def test_a_paired_policy_sees_a_regression_through_the_machines_swings(tmp_path):
+    """Baseline and candidate alternated on a machine whose speed swings 2x: unpaired, the gate
+    cannot tell (inconclusive); with the policy's ``paired`` (or --paired) it rejects."""
+    from test_bench_compare import drifting_sides
+    base, cand = drifting_sides(0.15)
+    for name, side in (("b", base), ("c", cand)):
+        (tmp_path / name).mkdir()
+        for i, r in enumerate(side):
+            (tmp_path / name / f"run={i}.json").write_text(json.dumps(with_classes(r, 0.97)))
+    policy = gate.load_policy()
+    assert gate.run_gate(policy, tmp_path / "b", tmp_path / "c").decision == "inconclusive"
+    policy["performance"]["paired"] = True
+    r = gate.run_gate(policy, tmp_path / "b", tmp_path / "c")
+    assert r.comparison.paired and r.decision == "reject"
+    args = ["bench", "gate", "--baseline", str(tmp_path / "b"), "--candidate", str(tmp_path / "c")]
+    assert cli_main(args) == 2 and cli_main([*args, "--paired"]) == 1

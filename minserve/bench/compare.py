@@ -54,7 +54,8 @@ import numpy as np
 
 from minserve.bench.compare_runs import ALL, Run, higher_is_better, load_runs, run_metrics
 from minserve.bench.manifest import comparable
-from minserve.bench.stats import bootstrap_ratio_ci, mann_whitney_p, relative_change
+from minserve.bench.stats import (bootstrap_paired_ratio_ci, bootstrap_ratio_ci, mann_whitney_p,
+                                  relative_change, wilcoxon_signed_rank_p)
 
 ALPHA = 0.05
 MIN_EFFECT = 0.05
@@ -100,15 +101,28 @@ class MetricComparison:
     why: str = ""
 
 
-def judge(base, new, metric: str, th: Thresholds = Thresholds(), seed: int = 0) -> tuple:
-    """(verdict, why, p, change, ci_low, ci_high) of one metric's per-run values."""
+def judge(base, new, metric: str, th: Thresholds = Thresholds(), seed: int = 0, paired: bool = False) -> tuple:
+    """(verdict, why, p, change, ci_low, ci_high) of one metric's per-run values. ``paired``: run i
+    of each side was measured next to the other (alternated), so the test is the signed-rank test
+    of the per-pair log ratios and the change is their median ratio."""
     base, new = np.asarray(base, float), np.asarray(new, float)
-    base, new = base[np.isfinite(base)], new[np.isfinite(new)]
+    if paired:
+        if len(base) != len(new):
+            raise ValueError(f"a paired comparison needs as many NEW runs as BASE runs, got {len(base)} and {len(new)}")
+        keep = np.isfinite(base) & np.isfinite(new) & (base > 0) & (new > 0)
+        base, new = base[keep], new[keep]
+    else:
+        base, new = base[np.isfinite(base)], new[np.isfinite(new)]
     if min(len(base), len(new)) < th.min_runs:
         return INCONCLUSIVE, f"fewer than {th.min_runs} runs a side", math.nan, math.nan, math.nan, math.nan
-    change = relative_change(float(np.median(base)), float(np.median(new)))
-    lo, hi = bootstrap_ratio_ci(base, new, level=CI_LEVEL, seed=seed)
-    _, p, _ = mann_whitney_p(new, base)
+    if paired:
+        change = float(np.median(new / base)) - 1
+        lo, hi = bootstrap_paired_ratio_ci(base, new, level=CI_LEVEL, seed=seed)
+        _, p, _ = wilcoxon_signed_rank_p(np.log(new / base))
+    else:
+        change = relative_change(float(np.median(base)), float(np.median(new)))
+        lo, hi = bootstrap_ratio_ci(base, new, level=CI_LEVEL, seed=seed)
+        _, p, _ = mann_whitney_p(new, base)
     worse = (change < 0) if higher_is_better(metric) else (change > 0)
     moved = REGRESSED if worse else IMPROVED
     big = abs(change) >= th.min_effect
@@ -131,6 +145,7 @@ class Comparison:
     n_base: int = 0
     n_new: int = 0
     thresholds: Thresholds = Thresholds()
+    paired: bool = False        # run i of BASE measured next to run i of NEW (signed-rank test)
 
     @property
     def verdict(self) -> str:
@@ -156,7 +171,7 @@ class Comparison:
 
     def to_json(self) -> dict:
         return {"verdict": self.verdict, "exit_code": self.exit_code, "refused": self.refused,
-                "differences": self.differences, "n_base": self.n_base, "n_new": self.n_new,
+                "differences": self.differences, "n_base": self.n_base, "n_new": self.n_new, "paired": self.paired,
                 "thresholds": asdict(self.thresholds), "rows": [_json_row(r) for r in self.rows]}
 
     def table(self) -> str:
@@ -182,13 +197,19 @@ def manifest_differences(base: list[Run], new: list[Run]) -> list[str]:
 
 
 def compare(base, new, thresholds: Thresholds = Thresholds(), gated=DEFAULT_GATED,
-            allow_different: bool = False, classes: bool = True, seed: int = 0) -> Comparison:
+            allow_different: bool = False, classes: bool = True, seed: int = 0,
+            paired: bool = False) -> Comparison:
     """Compare result set ``new`` with ``base`` (paths, directories, result dicts or
-    BenchResults; see :mod:`minserve.bench.compare_runs`) metric by metric and class by class."""
+    BenchResults; see :mod:`minserve.bench.compare_runs`) metric by metric and class by class.
+    ``paired=True``: the two sides were run alternately (BASE, NEW, BASE, NEW, ...), and run i of
+    BASE is paired with run i of NEW in the order given (a directory's files by name)."""
     base_runs, new_runs = load_runs(base), load_runs(new)
     if not base_runs or not new_runs:
         raise ValueError(f"each side needs at least one run, got {len(base_runs)} and {len(new_runs)}")
-    out = Comparison(n_base=len(base_runs), n_new=len(new_runs), thresholds=thresholds)
+    if paired and len(base_runs) != len(new_runs):
+        raise ValueError(f"--paired needs as many NEW runs as BASE runs, got {len(base_runs)} BASE and "
+                         f"{len(new_runs)} NEW")
+    out = Comparison(n_base=len(base_runs), n_new=len(new_runs), thresholds=thresholds, paired=paired)
     out.differences = manifest_differences(base_runs, new_runs)
     if out.differences and not allow_different:
         out.refused = True
@@ -202,7 +223,7 @@ def compare(base, new, thresholds: Thresholds = Thresholds(), gated=DEFAULT_GATE
             continue
         b = [m.get((cls, metric), math.nan) for m in per_base]
         n = [m.get((cls, metric), math.nan) for m in per_new]
-        verdict, why, p, change, lo, hi = judge(b, n, metric, thresholds, seed)
+        verdict, why, p, change, lo, hi = judge(b, n, metric, thresholds, seed, paired)
         out.rows.append(MetricComparison(cls, metric, float(np.nanmedian(b)), float(np.nanmedian(n)),
                                          change, lo, hi, p, int(np.isfinite(b).sum()),
                                          int(np.isfinite(n).sum()), verdict, metric in gated, why))

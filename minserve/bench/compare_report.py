@@ -28,7 +28,9 @@ def _pct(v: float) -> str:
 
 
 def format_comparison(c: "cmp.Comparison") -> str:
-    lines = [f"bench compare: {c.n_base} BASE runs vs {c.n_new} NEW runs (the unit is the run; "
+    test = ("paired: run i of each side, signed-rank test of the ratios" if c.paired
+            else "the unit is the run")
+    lines = [f"bench compare: {c.n_base} BASE runs vs {c.n_new} NEW runs ({test}; "
              f"alpha {c.thresholds.alpha}, minimum effect {c.thresholds.min_effect:.0%})"]
     if c.differences:
         head = "NOT COMPARABLE" if c.refused else "compared anyway (--allow-different)"
@@ -65,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--allow-different", action="store_true",
                     help="compare even when workload, model or hardware differ (listed)")
     ap.add_argument("--no-classes", action="store_true", help="only the whole run, no per-class rows")
+    ap.add_argument("--paired", action="store_true",
+                    help="BASE and NEW were run alternately: pair run i of each side (in the order given; a "
+                         "directory's files by name) and test the per-pair ratios (signed-rank): a slow spell "
+                         "of the machine that spans a pair cancels out. Needs as many runs a side, at least 6")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the comparison as JSON ('-': stdout)")
     return ap
 
@@ -83,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         base, new = split_sides(a)
         th = cmp.Thresholds(a.alpha, a.min_effect, a.min_runs)
         c = cmp.compare(base, new, th, gated=tuple(m for m in a.gate.split(",") if m),
-                        allow_different=a.allow_different, classes=not a.no_classes)
+                        allow_different=a.allow_different, classes=not a.no_classes, paired=a.paired)
     except (ValueError, FileNotFoundError) as e:
         print(f"minserve bench compare: {e}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,9 +57,15 @@ def run_from(obj, source: str = "?") -> Run:
     return Run(obj, list(obj.get("requests") or []), obj.get("manifest"), source)
 
 
+def _natural_key(p: Path) -> list:
+    """``run=2.json`` before ``run=10.json``: digits compare as numbers (a paired compare matches
+    runs by this order)."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(p))]
+
+
 def result_files(path: Path) -> list[Path]:
     if path.is_dir():
-        return sorted(p for p in path.rglob("*.json") if p.name not in NOT_RESULTS)
+        return sorted((p for p in path.rglob("*.json") if p.name not in NOT_RESULTS), key=_natural_key)
     if path.is_file():
         return [path]
     raise FileNotFoundError(f"no such result file or directory: {path}")

@@ -2,7 +2,8 @@
 
 A policy file (JSON, ``datasets/policies/default.json``) holds, under a ``version``:
 
-- ``performance``: bench compare's thresholds (``alpha``, ``min_effect``, ``min_runs``), the
+- ``performance``: bench compare's thresholds (``alpha``, ``min_effect``, ``min_runs``),
+  ``paired`` (the candidate's runs alternated with the baseline's: bench compare ``--paired``), the
   ``gated_metrics`` and ``allowed_regressions`` ({metric: fraction}): a regression beyond noise
   that stays within its allowance (a p90 TTFT 7 % slower where 10 % is allowed) is accepted;
 - ``slos``: per class (a workload class name or its priority class, ``interactive`` / ``batch``)
@@ -169,14 +170,16 @@ def quality_misses(row: dict, ref: dict, th: dict) -> list[str]:
 
 
 def run_gate(policy: dict, baseline, candidate, eval_rows: list[dict] | None = None,
-             allow_different: bool = False) -> GateResult:
+             allow_different: bool = False, paired: bool | None = None) -> GateResult:
     """The gate in Python: ``baseline`` / ``candidate`` as :func:`minserve.bench.compare.compare`
-    takes them, ``eval_rows`` from ``minserve eval --json`` (None: quality skipped)."""
+    takes them, ``eval_rows`` from ``minserve eval --json`` (None: quality skipped); ``paired``
+    None takes the policy's ``performance.paired`` (default False)."""
     perf = policy.get("performance", {})
     th = cmp.Thresholds(perf.get("alpha", cmp.ALPHA), perf.get("min_effect", cmp.MIN_EFFECT),
                         perf.get("min_runs", cmp.MIN_RUNS))
     gated = tuple(perf.get("gated_metrics", cmp.DEFAULT_GATED))
     cand_runs = load_runs(candidate)
-    c = cmp.compare(baseline, cand_runs, th, gated=gated, allow_different=allow_different)
+    paired = perf.get("paired", False) if paired is None else paired
+    c = cmp.compare(baseline, cand_runs, th, gated=gated, allow_different=allow_different, paired=paired)
     return GateResult(performance_verdict(c, perf, policy.get("slos", {}), cand_runs),
                       quality_verdict(eval_rows, policy.get("quality", {})), c)

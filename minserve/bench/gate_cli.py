@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--run-eval", default=None, metavar="ARGS",
                     help="run `minserve eval ARGS --json ...` now for the quality verdict")
     ap.add_argument("--allow-different", action="store_true", help="compare despite manifest differences")
+    ap.add_argument("--paired", action="store_true", default=None,
+                    help="the baseline's and the candidate's runs alternated: pair them (bench compare --paired)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the decision as JSON")
     return ap
 
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
         policy = gate.load_policy(a.policy)
-        result = gate.run_gate(policy, a.baseline, a.candidate, eval_rows(a), a.allow_different)
+        result = gate.run_gate(policy, a.baseline, a.candidate, eval_rows(a), a.allow_different, a.paired)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"minserve gate: {e}", file=sys.stderr)
         return 2
