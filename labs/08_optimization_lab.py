@@ -46,14 +46,13 @@
 #    waiting requests; did the objectives hold);
 # 8. recorded the baseline and the changed configuration in `labs/results/08.json`.
 #
-# **Run time:** the `quick` preset (the default; the last cell prints this run's time) was
-# measured on this project's 2-core machine under `MINSERVE_LAB_CI=1` at 55 s to 1.0 min quiet and
-# 1.7 to 2.0 min with 1 to 1.5 cores taken, before the long-request and KV-cut drills were added;
-# they add three half-runs of steady traffic at the measured capacity and one engine build. Not
-# re-timed quiet: the only runs since were on the machine shared with the whole team (load
-# average 6 to 11 on 2 cores; other processes held 1.6 of the 2 cores), where the whole lab ran in
-# 23 min in process, the two new drills 3.0 min of it (15 % more than the rest), and 12 min
-# against a `minserve serve` target, server start included. Requests are the workload files'
+# **Run time:** the `quick` preset (the default; the last cell prints this run's time) ran in
+# **4.0 min quiet** under `MINSERVE_LAB_CI=1` (2026-12-02, `benchmarks/bench_lab_robustness.py
+# --labs 08 --runs 1 --conditions quiet`) on the slowest host this project has had: a 2-core AMD
+# EPYC with AVX2 only, about 3.5x slower per decode step than the hosts the other labs were timed
+# on (there, before the long-request and KV-cut drills were added, it took 55 s to 1.0 min quiet
+# and 1.7 to 2.0 min with 1 to 1.5 cores taken). With another process holding about one core
+# for the middle of the run it took 5.6 min on that host. Requests are the workload files'
 # shapes at a tenth of their length (`length_scale=0.1`); every rate is a multiple
 # of the capacity measured at the start, and every objective is the file's, times one factor
 # measured on the light-load baseline, so a busy or a faster machine changes the run time, not
