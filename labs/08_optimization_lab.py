@@ -414,7 +414,7 @@ lab.lesson("08-change", f"repeats give the one change ({CHANGE}) a clear verdict
            shown=main["verdict"] in ("better", "worse"),
            evidence=f"{FAILING} p90 {bound_of[FAILING][:-2].upper()} {main['p90 before']:.0f} -> "
                     f"{main['p90 after']:.0f} ms, p = {main['p (Mann-Whitney)']:.2g}, verdict {main['verdict']}",
-           load=ab_probe.load)
+           load=ab_probe.load, causes=me.unclear_causes(main))
 others = verdicts.drop(index=FAILING, level="class")
 worse = [f"{c} {m[:-2].upper()}" for (c, m), v in others.verdict.items() if v == "worse"]
 few = [f"{c} {m[:-2].upper()}" for (c, m), v in verdicts.verdict.items() if v == "too few requests"]

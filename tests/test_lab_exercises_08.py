@@ -101,6 +101,24 @@ def test_compare_needs_the_test_and_the_interval_to_agree():
     assert me.compare(runs(base), runs(base + 80), "short_qa")["verdict"] == "worse"
 
 
+def test_no_verdict_names_its_measured_cause():
+    """A change within the class's spread: the cause is the interval that spans zero; an interval
+    that excludes zero while the rank test does not: the tail moved. A verdict needs no cause."""
+    rng = np.random.default_rng(1)
+
+    def runs(values):
+        return [run([("short_qa", float(v), 10, 100, 0, 40) for v in values])]
+    base = rng.normal(200, 60, 6)
+    spread = me.compare(runs(base), runs(base + 5), "short_qa")
+    assert spread["verdict"] == "no clear change"
+    (cause,) = me.unclear_causes(spread)
+    assert "includes no change" in cause and "6 and 6 requests" in cause
+    disagree = {**spread, "p90 change CI": (40.0, 400.0), "p (Mann-Whitney)": 0.3}
+    assert "the tail moved" in me.unclear_causes(disagree)[0]
+    bulk = rng.normal(200, 1, 30)
+    assert me.unclear_causes(me.compare(runs(bulk), runs(bulk - 80), "short_qa")) == []
+
+
 def test_q5_verdict(monkeypatch):
     row = {"class": "short_qa", "verdict": "no clear change", "n before": 20, "n after": 20,
            "p50 before": 200.0, "p50 after": 190.0, "p (Mann-Whitney)": 0.4, "p90 change CI": (-40.0, 25.0)}

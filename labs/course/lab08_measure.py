@@ -232,6 +232,21 @@ def compare(before: list, after: list, cls: str, metric: str = "ttft_s", alpha: 
             "verdict": verdict}
 
 
+def unclear_causes(row: dict) -> list[str]:
+    """Why :func:`compare` gave no verdict, from its own numbers (empty when it gave one): the
+    cause a lesson that expected a verdict reports instead of blaming the engine."""
+    if row.get("verdict") != "no clear change":
+        return []
+    lo, hi = row["p90 change CI"]
+    n = f"{row['n before']} and {row['n after']} requests"
+    if lo <= 0 <= hi:
+        return [f"the 95 % interval of the p90 change, {lo:+.0f} to {hi:+.0f} ms over {n}, includes no "
+                "change: with this few requests of the class, its spread hides the change (more requests "
+                "per run, or more repeats, would tell)"]
+    return [f"the rank test (p = {row['p (Mann-Whitney)']:.2g}) finds the {n} alike while the p90 interval "
+            f"({lo:+.0f} to {hi:+.0f} ms) excludes no change: the tail moved, the bulk did not"]
+
+
 # ---- the quality gate, when numerics changed -----------------------------------------------------
 
 # Engine arguments that change the model's numbers (not only its speed): a change of one of them
