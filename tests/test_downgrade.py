@@ -82,11 +82,17 @@ def test_an_allowed_class_is_downgraded_instead_of_rejected(busy):
 
 
 def test_a_disallowed_class_is_rejected_as_today(busy):
-    base, _ = busy
+    base, router = busy
     before = sample(base, 'minserve:request_failures_total{reason="overload",route="stable"}')
     r = post(base, "interactive")
     assert r.status_code == 429 and r.json()["error"]["code"] == "deadline", r.text
-    assert "Retry-After" in r.headers and "x-minserve-route" not in r.headers
+    # A shed request is recorded and says where it was refused, like every other request.
+    assert "Retry-After" in r.headers and r.headers["x-minserve-route"] == "stable"
+    assert r.headers["x-minserve-decision"].startswith("reason=default; precision=")
+    rec = router.log.recent()[-1]
+    assert (rec["route"], rec["reason"], rec["outcome"], rec["status"], rec["priority_class"]) == (
+        "stable", "default", "overload", 429, "interactive")
+    assert rec["request_id"].startswith("cmpl-")
     assert sample(base, 'minserve:request_failures_total{reason="overload",route="stable"}') == before + 1
     assert sample(base, 'minserve:admission_rejected_total{priority_class="interactive",reason="deadline",'
                         'route="stable"}') >= 1

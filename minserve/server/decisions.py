@@ -1,9 +1,10 @@
 """Decision records: why each request went where it went, and how it ended.
 
-Every request a routed server answers gets one :class:`DecisionRecord`: the route, its precision
-(weight format and dtype, KV cache dtype), the decoding policy (speculation on or off), the
-reason the route was chosen, and, once it ends, the cache path (prompt tokens served from the
-prefix cache), its latencies and its outcome. The same facts go out in response headers:
+Every request a routed server answers gets one :class:`DecisionRecord`, a request shed at
+admission too (on the route that refused it): the route, its precision (weight format and
+dtype, KV cache dtype), the decoding policy (speculation on or off), the reason the route was
+chosen, and, once it ends, the cache path (prompt tokens served from the prefix cache), its
+latencies and its outcome. The same facts go out in response headers:
 
 - ``x-minserve-route: NAME``
 - ``x-minserve-decision: reason=canary_share; precision=int4/float32; kv=auto; spec=off``

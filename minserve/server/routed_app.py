@@ -124,7 +124,7 @@ async def serve_routed(router: Router, request: Request, body, kind: str):
         ticket.waited_s = base.time.monotonic() - arrived
     cands = router.candidates(request.headers.get(ROUTE_HEADER), request.scope.get(PRINCIPAL_SCOPE_KEY),
                               tickets[0])
-    route, reason = router.admit(cands, tickets, base._admit)
+    route, reason = router.admit(cands, tickets, base._admit, p.request_id)
     rec = router.record(p.request_id, route, reason, tickets[0])
     st = route.state
     flight = _RoutedFlight(st, p.engine_request_ids(), tickets, home, rec, router)

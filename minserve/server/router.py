@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass, field
 
 from minserve.server.canary import Canary, RouteWindow
-from minserve.server.decisions import DecisionLog, DecisionRecord, RoutingMetrics, precision_of
+from minserve.server.decisions import DecisionLog, DecisionRecord, RoutingMetrics, outcome_of, precision_of
 from minserve.server.protocol import ApiError
 from minserve.server.routes import CanaryCriteria, RoutesConfig, check_route_name
 
@@ -106,9 +106,11 @@ class Router:
         limit = self.routes[name].describe["max_model_len"]
         return all(t.prompt_tokens + t.max_tokens <= limit for t in tickets)
 
-    def admit(self, cands: list[tuple[str, str]], tickets, admit_all) -> tuple[Route, str]:
+    def admit(self, cands: list[tuple[str, str]], tickets, admit_all, request_id: str = "") -> tuple[Route, str]:
         """Admit ``tickets`` on the first candidate that takes them, then a downgrade route
-        (module docstring, 4). ``admit_all(state, tickets)`` raises ApiError on a refusal."""
+        (module docstring, 4). ``admit_all(state, tickets)`` raises ApiError on a refusal; the
+        refusal that reaches the client carries the decision headers of the route that refused it,
+        and the request is recorded (outcome ``overload``) like every other."""
         refusal = None
         for name, reason in cands:
             try:
@@ -116,7 +118,7 @@ class Router:
                 return self._chosen(name, reason)
             except ApiError as e:
                 if refusal is None or name == self.default:
-                    refusal = e  # the default route's answer is the one a client knows
+                    refusal, refused = e, (name, reason)  # the default route's answer is the one a client knows
         if refusal.code == "deadline":
             for name in self.config.downgrade.get(tickets[0].priority_class, ()):
                 if name == self.default or not self._fits(name, tickets):
@@ -126,8 +128,16 @@ class Router:
                     return self._chosen(name, "downgrade_deadline")
                 except ApiError:
                     continue
-        self.metrics.failures.labels(cands[-1][0], "overload").inc()
+        self._shed(request_id, refused, tickets[0], refusal)
         raise refusal
+
+    def _shed(self, request_id: str, refused: tuple[str, str], ticket, refusal: ApiError) -> None:
+        """A request refused at admission: its record (kept out of the route's window, so shedding
+        on the baseline does not make a canary look better) and its headers on the refusal."""
+        rec = self.record(request_id, self.routes[refused[0]], refused[1], ticket)
+        rec.outcome, rec.status = outcome_of(refusal.status, refusal.code), refusal.status
+        self.metrics.failures.labels(rec.route, rec.outcome).inc()
+        refusal.headers = {**(refusal.headers or {}), **rec.headers()}
 
     def _chosen(self, name: str, reason: str) -> tuple[Route, str]:
         route = self.routes[name]
