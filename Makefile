@@ -75,16 +75,18 @@ labs-sync: venv
 # no-op after that; the tests add 1-2.5 min). Elsewhere `make test WITH_VLLM=1` opts in; without the
 # venv those tests skip, naming `make vllm-venv`. A failed setup fails CI rather than skip silently.
 #
-# TEST_WORKERS=N runs the suite in N pytest-xdist processes, one thread each (tests/conftest.py),
-# a group at a time each (--dist loadgroup): a test module is a group (its fixtures start once),
-# and the ten notebooks executed in process are one group, which one worker starts on at once
-# while the other takes the test modules. The default, 0, runs everything in this one process.
+# TEST_WORKERS=N runs the suite in N pytest-xdist processes, one file at a time each (--dist
+# loadfile: a notebook's cells, and a module's fixtures, stay in one process), one thread each
+# (tests/conftest.py). The default, 0, runs everything in this one process: on this 2-core machine
+# two workers made the run slower, not faster (measured 2026-12-02: the notebooks, built for two
+# threads and for noticing a busy machine, ran 9+ min each beside one another; the workers'
+# OMP_NUM_THREADS=1 also reaches the notebook kernels they start, so each ran on one thread).
 # Where one run's time goes: `pytest --durations=0` (2026-12-02, a slow host: 82 min in all, 40 of
 # them the ten notebooks in process and 21 the labs run again against minserve serve and vLLM).
 WITH_VLLM ?= $(CI)
 TEST_WORKERS ?= 0
 test: venv $(if $(filter-out 0 false,$(WITH_VLLM)),vllm-venv,)
-	MINSERVE_LAB_CI=1 $(VPY) -m pytest -q tests labs --nbval-lax -n $(TEST_WORKERS) --dist loadgroup
+	MINSERVE_LAB_CI=1 $(VPY) -m pytest -q tests labs --nbval-lax -n $(TEST_WORKERS) --dist loadfile
 
 # The documentation site: pages in docs/, the labs' notebooks rendered as they are (not executed),
 # the API reference from the docstrings. --strict turns every warning (a link to a missing page,

@@ -10,31 +10,14 @@ import torch
 
 logging.getLogger("minserve").setLevel(logging.ERROR)
 
-# `make test TEST_WORKERS=2` runs the suite in two pytest-xdist workers (one per core; the default,
-# 0, runs it in one process). Each worker takes one thread: two workers at PyTorch's default of two
-# threads each would ask four threads of two cores, and OpenMP teams that wait on a descheduled
-# thread run many times slower. The environment variable carries the limit into what a test starts
-# (servers, notebook kernels); a test that wants a team of two asks for it explicitly
-# (tests/test_contention.py does).
+# `make test` runs the suite in two pytest-xdist workers (one per core, a test file per worker at a
+# time). Each takes one thread: two workers at PyTorch's default of two threads each would ask four
+# threads of two cores, and OpenMP teams that wait on a descheduled thread run many times slower.
+# The environment variable carries the limit into what a test starts (servers, notebook kernels);
+# a test that wants a team of two asks for it explicitly (tests/test_contention.py does).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-
-# With workers, `--dist loadgroup` hands out whole groups: a test module is a group (its module
-# fixtures, e.g. a server, start once, as with loadfile), and the ten notebooks executed in process
-# are one group (about half of the run's time). pytest-xdist hands out the groups with the most
-# items first, and the notebooks' cells outnumber every module's tests, so one worker starts on
-# them at once while the other works through the test modules.
-NOTEBOOKS_GROUP = "notebooks-in-process"
-
-
-def pytest_collection_modifyitems(config, items):
-    if not (getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput")):
-        return      # one process: nothing to group
-    for item in items:
-        path = Path(str(item.fspath))
-        item.add_marker(pytest.mark.xdist_group(NOTEBOOKS_GROUP if path.suffix == ".ipynb" else path.name))
-
 
 # Each lab's exercises live beside its notebook in labs/course/ (course content, not toolkit); the
 # notebooks import them as `course.labNN` from labs/, and so do the tests of those exercises.
