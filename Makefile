@@ -81,6 +81,8 @@ labs-sync: venv
 # two workers made the run slower, not faster (measured 2026-12-02: the notebooks, built for two
 # threads and for noticing a busy machine, ran 9+ min each beside one another; the workers'
 # OMP_NUM_THREADS=1 also reaches the notebook kernels they start, so each ran on one thread).
+# Not --dist loadgroup with the notebooks as one group (tried 2026-12-02): pytest-xdist then ran
+# their cells out of order across kernel restarts, and 149 cells failed with NameErrors.
 # Where one run's time goes: `pytest --durations=0` (2026-12-02, a slow host: 82 min in all, 40 of
 # them the ten notebooks in process and 21 the labs run again against minserve serve and vLLM).
 WITH_VLLM ?= $(CI)
