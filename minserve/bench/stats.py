@@ -141,8 +141,13 @@ def bootstrap_ratio_ci(base, new, statistic=np.median, level: float = 0.95, n_re
     ratios = ratios[np.isfinite(ratios)]
     if not len(ratios):
         return math.nan, math.nan
+    return _percentile_interval(ratios, level)
+
+
+def _percentile_interval(samples: np.ndarray, level: float) -> tuple[float, float]:
+    """The central ``level`` share of bootstrap ``samples``: the percentile interval."""
     tail = 50 * (1 - level)
-    lo, hi = np.percentile(ratios, [tail, 100 - tail])
+    lo, hi = np.percentile(samples, [tail, 100 - tail])
     return float(lo), float(hi)
 
 
@@ -201,6 +206,4 @@ def bootstrap_paired_ratio_ci(base, new, level: float = 0.95, n_resamples: int =
     ratios = finite(ratios, "ratios", 1)
     rng = np.random.default_rng(seed)
     boot = np.median(ratios[rng.integers(0, len(ratios), size=(n_resamples, len(ratios)))], axis=1)
-    tail = 50 * (1 - level)
-    lo, hi = np.percentile(boot, [tail, 100 - tail])
-    return float(lo), float(hi)
+    return _percentile_interval(boot, level)
