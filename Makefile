@@ -64,7 +64,7 @@ labs-sync: venv
 	$(VENV)/bin/jupytext --sync labs/[0-9][0-9]_*.py
 	$(VPY) tests/lab_sources.py clear
 
-# One pytest run covers both: the unit tests under tests/ and, through nbval, every notebook under
+# One command covers both: the unit tests under tests/ and, through nbval, every notebook under
 # labs/ (executed top to bottom; --nbval-lax fails on errors and asserts, not on changed outputs,
 # since timings and sampled text differ from run to run). MINSERVE_LAB_CI=1 makes every unanswered
 # exercise check its reference solution against the run's own measurements (minserve/lab/checks.py),
@@ -75,20 +75,20 @@ labs-sync: venv
 # no-op after that; the tests add 1-2.5 min). Elsewhere `make test WITH_VLLM=1` opts in; without the
 # venv those tests skip, naming `make vllm-venv`. A failed setup fails CI rather than skip silently.
 #
-# TEST_WORKERS=N runs the suite in N pytest-xdist processes, one file at a time each (--dist
-# loadfile: a notebook's cells, and a module's fixtures, stay in one process), one thread each
-# (tests/conftest.py). The default, 0, runs everything in this one process: on this 2-core machine
-# two workers made the run slower, not faster (measured 2026-12-02: the notebooks, built for two
-# threads and for noticing a busy machine, ran 9+ min each beside one another; the workers'
-# OMP_NUM_THREADS=1 also reaches the notebook kernels they start, so each ran on one thread).
-# Not --dist loadgroup with the notebooks as one group (tried 2026-12-02): pytest-xdist then ran
-# their cells out of order across kernel restarts, and 149 cells failed with NameErrors.
-# Where one run's time goes: `pytest --durations=0` (2026-12-02, a slow host: 82 min in all, 40 of
-# them the ten notebooks in process and 21 the labs run again against minserve serve and vLLM).
+# TEST_LAYOUT=two (the default) runs two pytest processes side by side, through tests/run_suite.py:
+# the ten notebooks in one, at PyTorch's default threads, and the rest of tests/ in the other, at
+# one thread. Alone, each takes about half of a one-process run and neither keeps both cores busy
+# (a quiet one-process run on a slow host, 2026-12-02: 82 min wall for 114 min of CPU, 40 of them the
+# notebooks); side by side each fills the other's idle core. TEST_LAYOUT=one runs everything in one
+# process, in turn. PYTEST_ARGS go to each pytest (e.g. PYTEST_ARGS="-x --durations=20").
+# Not pytest-xdist: with --dist loadfile two workers may each take a notebook (measured 2026-12-02:
+# 9+ min each, at one thread on a shared machine), and with --dist loadgroup it ran a notebook's
+# cells out of order across kernel restarts (149 NameErrors).
 WITH_VLLM ?= $(CI)
-TEST_WORKERS ?= 0
+TEST_LAYOUT ?= two
+PYTEST_ARGS ?=
 test: venv $(if $(filter-out 0 false,$(WITH_VLLM)),vllm-venv,)
-	MINSERVE_LAB_CI=1 $(VPY) -m pytest -q tests labs --nbval-lax -n $(TEST_WORKERS) --dist loadfile
+	$(VPY) tests/run_suite.py --layout $(TEST_LAYOUT) -- $(PYTEST_ARGS)
 
 # The documentation site: pages in docs/, the labs' notebooks rendered as they are (not executed),
 # the API reference from the docstrings. --strict turns every warning (a link to a missing page,

@@ -10,14 +10,16 @@ import torch
 
 logging.getLogger("minserve").setLevel(logging.ERROR)
 
-# `make test` runs the suite in two pytest-xdist workers (one per core, a test file per worker at a
-# time). Each takes one thread: two workers at PyTorch's default of two threads each would ask four
-# threads of two cores, and OpenMP teams that wait on a descheduled thread run many times slower.
+# A test process told to take one thread (MINSERVE_TEST_THREADS=1: tests/run_suite.py, which
+# `make test` runs, sets it for tests/ while the notebooks run beside them) or an xdist worker (one
+# per core) takes one: two processes at PyTorch's default of two threads each would ask four threads
+# of two cores, and OpenMP teams that wait on a descheduled thread run many times slower.
 # The environment variable carries the limit into what a test starts (servers, notebook kernels);
 # a test that wants a team of two asks for it explicitly (tests/test_contention.py does).
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+_THREADS = os.environ.get("MINSERVE_TEST_THREADS") or ("1" if os.environ.get("PYTEST_XDIST_WORKER") else "")
+if _THREADS:
+    os.environ["OMP_NUM_THREADS"] = _THREADS
+    torch.set_num_threads(int(_THREADS))
 
 # Each lab's exercises live beside its notebook in labs/course/ (course content, not toolkit); the
 # notebooks import them as `course.labNN` from labs/, and so do the tests of those exercises.

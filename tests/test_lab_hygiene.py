@@ -22,12 +22,17 @@ def _spin(seconds: float) -> None:
 
 @linux_only
 def test_load_probe_counts_another_process_and_not_this_one():
-    # Relative to the machine's load meanwhile (the test suite may share the machine): this
-    # process spinning on a core must not count as another process.
-    background = hygiene.machine_load(1.0).others_cores
-    with LoadProbe() as mine:
-        _spin(1.0)
-    assert mine.load.others_cores is not None and mine.load.others_cores < background + 0.5
+    # Relative to the machine's load meanwhile: this process spinning on a core must not count as
+    # another process. `make test` runs the notebooks beside this test, and their load comes and
+    # goes within a second, so a reading may land on a burst of theirs: a probe that counted this
+    # process would read >= background + 1 every time, so three tries tell the two apart.
+    def spinning_counts_as_mine() -> bool:
+        background = hygiene.machine_load(1.0).others_cores
+        with LoadProbe() as mine:
+            _spin(1.0)
+        assert mine.load.others_cores is not None
+        return mine.load.others_cores < background + 0.5
+    assert any(spinning_counts_as_mine() for _ in range(3))
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)

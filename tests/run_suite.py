@@ -1,0 +1,99 @@
+"""Run the whole suite — tests/ and every notebook in labs/ — the way `make test` does.
+
+    python tests/run_suite.py                 # two pytest processes side by side (the default)
+    python tests/run_suite.py --layout one    # one pytest process, everything in turn
+    python tests/run_suite.py -- -x -k lab    # anything after -- goes to each pytest
+
+Why two processes: the ten notebooks (executed by nbval) and the rest of tests/ take about the
+same time alone, and neither keeps both cores busy — a notebook waits on its kernel and on HTTP
+between steps, most unit tests run one thread. Side by side each fills the other's idle core.
+pytest-xdist cannot split the work this way: with ``--dist loadfile`` two workers may each take a
+notebook (both then run on a contended machine at one thread), and with ``--dist loadgroup`` it ran
+a notebook's cells out of order (measured 2026-12-02, 149 NameErrors).
+
+The unit tests run one thread each (``MINSERVE_TEST_THREADS=1``, tests/conftest.py), so that they
+take one core and leave the other to the notebook; a test that wants a team of two asks for it.
+The notebooks keep PyTorch's default threads: they are written for a 2-core laptop and say when
+another process holds a core (lab hygiene), which this layout is, by design.
+
+The unit tests print to the terminal as they run; the notebooks' output goes to
+``build/test-logs/notebooks.log`` and its summary (all of it, when a notebook failed) is printed
+when both have finished. The exit status is non-zero when either failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LOGS = ROOT / "build" / "test-logs"
+
+
+def pytest_cmd(paths: list[str], extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "pytest", "-q", *paths, "--nbval-lax",
+            *extra]
+
+
+def notebook_summary(log: Path, failed: bool) -> str:
+    """The notebooks' log: whole when they failed, else its last (summary) line."""
+    text = log.read_text(errors="replace")
+    if failed:
+        return text
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def run_one(extra: list[str], env: dict[str, str]) -> int:
+    return subprocess.call(pytest_cmd(["tests", "labs"], extra), cwd=ROOT, env=env)
+
+
+def run_two(extra: list[str], env: dict[str, str]) -> int:
+    LOGS.mkdir(parents=True, exist_ok=True)
+    log = LOGS / "notebooks.log"
+    start = time.monotonic()
+    with open(log, "w") as out:
+        notebooks = subprocess.Popen(pytest_cmd(["labs"], extra), cwd=ROOT, env=env,
+                                     stdout=out, stderr=subprocess.STDOUT)
+        print(f"notebooks (labs/) run beside the tests; their output: {log.relative_to(ROOT)}",
+              flush=True)
+        try:
+            tests_rc = subprocess.call(pytest_cmd(["tests"], extra), cwd=ROOT,
+                                       env={**env, "MINSERVE_TEST_THREADS": "1"})
+            tests_done = time.monotonic() - start
+            if notebooks.poll() is None:
+                print(f"tests/ done in {tests_done / 60:.1f} min; waiting for the notebooks...",
+                      flush=True)
+            notebooks_rc = notebooks.wait()
+        except KeyboardInterrupt:
+            notebooks.terminate()
+            notebooks.wait()
+            raise
+    total = time.monotonic() - start
+    print(f"\n==== notebooks (labs/), {log.relative_to(ROOT)} ====")
+    print(notebook_summary(log, failed=notebooks_rc != 0))
+    verdict = "passed" if tests_rc == notebooks_rc == 0 else "FAILED"
+    print(f"==== suite {verdict} in {total / 60:.1f} min: tests/ exit {tests_rc}, "
+          f"notebooks exit {notebooks_rc} ====", flush=True)
+    return tests_rc or notebooks_rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layout", choices=("two", "one"),
+                    default=os.environ.get("TEST_LAYOUT") or "two",
+                    help="two processes side by side (default) or one (TEST_LAYOUT)")
+    args = ap.parse_args(own)
+    env = {**os.environ, "MINSERVE_LAB_CI": "1"}
+    return (run_two if args.layout == "two" else run_one)(extra, env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
