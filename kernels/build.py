@@ -44,15 +44,27 @@ def _compiler() -> str:
     return cc
 
 
-def _cpu_signature() -> str:
-    """What -march=native depends on: the CPU's feature flags where Linux lists them."""
+@functools.cache
+def cpu_info(*fields: str) -> str:
+    """The value of the first /proc/cpuinfo line naming one of ``fields`` ("flags", "vendor_id",
+    ...), or "" where Linux does not list it (another OS, a field this CPU lacks)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
+            if line.split(":", 1)[0].strip() in fields:
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() + platform.machine()
+    return ""
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags ("avx512_bf16", "amx_bf16", ...; ARM's "Features"), or an empty set."""
+    return set(cpu_info("flags", "Features").split())
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's feature flags where Linux lists them."""
+    return cpu_info("flags", "Features") or platform.processor() + platform.machine()
 
 
 _LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)

@@ -20,16 +20,24 @@ import os
 
 import torch
 
-from minserve.kernels.build import KernelUnavailable, load
+from minserve.kernels.build import KernelUnavailable, cpu_flags, load
 
 # Below this many queries a chunk is a decode or a verification step, where SDPA's fixed cost is
 # small and the C kernel's per-call work (transposing every key) is not repaid.
 MIN_QUERY_LEN = 16
 CHOICES = ("c", "sdpa")
 # bfloat16 queries (a dtype="bfloat16" engine) are widened to float32 for the kernel and the output
-# rounded back: PyTorch's bf16 SDPA is no faster than its fp32 one here, and float32 sums are the
-# more accurate of the two.
+# rounded back: without AMX, PyTorch's bf16 SDPA is no faster than its fp32 one, and float32 sums are
+# the more accurate of the two. With AMX (bf16 tile products), PyTorch's bf16 flash SDPA multiplies
+# on the tiles: 357 GFLOP/s against this kernel's 147 on 1024 causal tokens (bench_roofline.py's
+# kernel table on the Intel Xeon host, 2026-12-03), so there bf16 goes to SDPA.
 INPUT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def _routes_bf16_here() -> bool:
+    """Whether bf16 chunks are better off in this kernel than in SDPA on this CPU (no AMX)."""
+    return "amx_bf16" not in cpu_flags()
 _f32p = ctypes.POINTER(ctypes.c_float)
 _I64 = ctypes.c_int64
 
@@ -52,17 +60,23 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def applies(q: torch.Tensor, head_dim: int) -> bool:
-    """Whether the kernel takes queries ``q`` [T, H, D] (dtype, device, sizes, the switch)."""
+def _takes(q: torch.Tensor, head_dim: int) -> bool:
+    """Whether the kernel can take queries ``q`` [T, H, D] (dtype, device, sizes, the switch)."""
     return (q.device.type == "cpu" and q.dtype in INPUT_DTYPES and head_dim % 64 == 0
             and q.shape[0] >= MIN_QUERY_LEN and choice() == "c" and _library() is not None)
+
+
+def applies(q: torch.Tensor, head_dim: int) -> bool:
+    """Whether the attention backend should send queries ``q`` [T, H, D] here rather than to SDPA:
+    the kernel takes them, and (for bfloat16) this CPU has no AMX to make SDPA the faster one."""
+    return _takes(q, head_dim) and (q.dtype is torch.float32 or _routes_bf16_here())
 
 
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
                       num_threads: int = 0) -> torch.Tensor | None:
     """Causal attention of queries [T, H, D] at positions L - T .. L - 1 over keys/values
     [L, Hkv, D] -> [T, H, D], or None when the kernel does not apply."""
-    if not applies(q, q.shape[-1]):
+    if not _takes(q, q.shape[-1]):
         return None
     T, H, D = q.shape
     L, Hkv = keys.shape[0], keys.shape[1]

@@ -23,7 +23,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from minserve.kernels.build import KernelUnavailable, load
+from minserve.kernels.build import KernelUnavailable, cpu_flags, load
 from minserve.models import gemm
 
 log = logging.getLogger("minserve")
@@ -73,12 +73,7 @@ def prefill_tile_dtype() -> torch.dtype:
 
 
 def _cpu_has_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {   # name: (restype, argtypes), as declared in quant.c

@@ -57,6 +57,19 @@ def test_bfloat16_inputs_are_attended_in_float32():
     torch.testing.assert_close(out, expected, rtol=2 ** -8, atol=1e-5)
 
 
+@pytest.mark.parametrize("flags,routed", [({"avx512f", "avx512_bf16"}, True),
+                                          ({"avx512f", "amx_tile", "amx_bf16"}, False)])
+def test_bfloat16_chunks_go_to_sdpa_where_the_cpu_has_amx(monkeypatch, flags, routed):
+    monkeypatch.setattr(pa, "cpu_flags", lambda: flags)
+    pa._routes_bf16_here.cache_clear()
+    try:
+        q = torch.zeros(32, 4, 64, dtype=torch.bfloat16)
+        assert pa.applies(q, 64) is routed
+        assert pa.applies(q.float(), 64)          # float32 always takes the kernel
+    finally:
+        pa._routes_bf16_here.cache_clear()
+
+
 @pytest.mark.parametrize("case", ["short", "float16", "head_dim_80"])
 def test_what_the_kernel_does_not_take_returns_none(case):
     T, D, dtype = {"short": (pa.MIN_QUERY_LEN - 1, 64, torch.float32),

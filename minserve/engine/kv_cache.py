@@ -60,7 +60,10 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}  # hash -> block holding those tokens
         # Free blocks with nothing reusable are used first; free cached blocks wait in the
         # eviction policy (least recently used by default; engine/eviction.py) and are evicted
-        # only when the plain ones run out.
+        # only when the plain ones run out. Plain blocks go last in, first out: a block just
+        # released has its pages mapped and possibly in the CPU's caches, while a never-used one
+        # costs page faults on first touch (the CPU cache is zeroed on demand, kv_sizing.py):
+        # 1024 prompt tokens into fresh blocks cost an fp32 prefill ~8 % more on a 2-core host.
         self._free_plain: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._free_cached: EvictionPolicy = LRUEviction()
         self._free_cached.bind(self)
@@ -102,6 +105,7 @@ class BlockPool:
                     self._free_cached.add(b)
                 else:
                     self._free_plain[b] = None
+                    self._free_plain.move_to_end(b, last=False)
 
     def lookup(self, h: bytes, key: BlockKey) -> int | None:
         """The cached block for hash ``h``, if its stored key really matches (no collision)."""

@@ -14,9 +14,15 @@ The result is the same float32 product summed in another order: it differs from 
 rounding (about 1e-6 relative), which the token-exact tests against transformers tolerate as
 they tolerate any kernel's rounding.
 
+Which one wins depends on the CPU's maker: MKL picks its fast code paths on Intel CPUs only. On the
+Intel Xeon host (AVX-512, AMX; 2026-12-03), benchmarks/bench_roofline.py's kernel table gave at
+1024 rows MKL 276-294 and oneDNN 264-267 GFLOP/s over the model's matrices (MKL 1.04-1.11x), and at
+16 rows 84-116 against 81-87: there the default is MKL.
+
 ``MINSERVE_GEMM=torch`` forces ``F.linear`` everywhere (to compare, or where oneDNN misbehaves);
-``onednn`` (the default where available) uses it for every 2-D float32 CPU input. A PyTorch without
-oneDNN (an ARM or a minimal build) falls back to ``F.linear`` by itself.
+``onednn`` uses oneDNN for every 2-D float32 CPU input; ``auto`` (the default) takes oneDNN except on
+an Intel CPU. A PyTorch without oneDNN (an ARM or a minimal build) falls back to ``F.linear`` by
+itself.
 """
 
 from __future__ import annotations
@@ -28,17 +34,21 @@ import os
 import torch
 import torch.nn.functional as F
 
+from minserve.kernels.build import cpu_info
+
 log = logging.getLogger("minserve")
 
-BACKENDS = ("onednn", "torch")
+BACKENDS = ("auto", "onednn", "torch")
 
 
 @functools.lru_cache(maxsize=None)
 def backend() -> str:
     """``onednn`` or ``torch``: what float32 CPU products use in this process (decided once)."""
-    wanted = os.environ.get("MINSERVE_GEMM", "onednn").strip().lower() or "onednn"
+    wanted = os.environ.get("MINSERVE_GEMM", "auto").strip().lower() or "auto"
     if wanted not in BACKENDS:
         raise ValueError(f"MINSERVE_GEMM must be one of {', '.join(BACKENDS)}, got {wanted!r}")
+    if wanted == "auto":
+        wanted = "torch" if cpu_info("vendor_id") == "GenuineIntel" else "onednn"
     if wanted == "torch":
         return "torch"
     try:
