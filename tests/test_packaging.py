@@ -94,6 +94,27 @@ def test_bare_checkout_without_an_install_finds_the_kernels():
     assert Path(init).resolve() == ROOT / "minserve" / "__init__.py" and Path(source_dir) == KERNELS
 
 
+def test_the_top_level_name_kernels_is_left_to_the_installed_package(tmp_path):
+    """From the repository root (``python -c``, ``python -m``) the name ``kernels`` is Hugging
+    Face's kernel-hub package, which transformers 5.25+ imports, never this repository's kernels/."""
+    fake = tmp_path / "site" / "kernels"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("MARK = 'hub'\n")
+    code = "import kernels; from kernels import MARK; print(kernels.__file__, MARK)"
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": str(tmp_path / "site")}
+    out = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, ''); {code}"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(fake / "__init__.py"), "hub"]
+    code = ("import sys; sys.path[:] = [''] + [p for p in sys.path if 'site-packages' not in p]\n"
+            "try:\n    import kernels\nexcept ModuleNotFoundError as e:\n    print('missing', e.name)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[:2] == ["missing", "kernels"]
+    # minserve's own name for the directory still works beside it.
+    assert _import_report(ROOT)["source_dir"] == str(KERNELS)
+
+
 @pytest.mark.skipif(not HAS_CC, reason="no C compiler")
 def test_kernel_cache_key_covers_the_source_not_its_location(tmp_path, monkeypatch):
     """A copy elsewhere (an installed wheel) reuses the build; an edited source gets a new one."""

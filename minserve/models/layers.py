@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minserve.kernels import token_ops
 from minserve.models import gemm
 from minserve.models.weights import DENSE, WeightDescriptor, load_rows
 
@@ -130,6 +131,16 @@ class Embedding(nn.Module):
         return f"{self.weight.shape[0]}, {self.weight.shape[1]}"
 
 
+def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` of a merged [T, 2 x inter] gate/up product -> [T, inter]: one
+    C pass on the CPU for many tokens (kernels/token_ops.py), PyTorch's two ops otherwise."""
+    out = token_ops.silu_mul(gate_up, inter)
+    if out is None:
+        gate, up = gate_up.split(inter, dim=-1)
+        out = F.silu(gate) * up
+    return out
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None):
@@ -205,5 +216,11 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """Rotate query/key vectors [T, heads, head_dim] by their positions (the "half-split" layout:
-    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), as transformers' rotate_half computes it)."""
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), as transformers' rotate_half computes it).
+
+    On the CPU, a chunk of many tokens is rotated *in place* by one C pass (kernels/token_ops.py):
+    use the returned tensor, and do not read ``x`` afterwards."""
+    rotated = token_ops.rope_(x, cos, sin_signed)
+    if rotated is not None:
+        return rotated
     return (x * cos) + (torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed)

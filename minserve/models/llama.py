@@ -10,11 +10,10 @@ prompt needs no logits, and the head is the largest single matrix of a small mod
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minserve.attention import AttentionMetadata, TorchPagedAttention
-from minserve.models.layers import Embedding, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope
+from minserve.models.layers import Embedding, Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope, silu_mul
 from minserve.models.registry import ModelConfig
 
 
@@ -57,8 +56,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(self.inter, cfg.hidden_size, False, dtype, device)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj.forward(x).split(self.inter, dim=-1)
-        return self.down_proj.forward(F.silu(gate) * up)
+        return self.down_proj.forward(silu_mul(self.gate_up_proj.forward(x), self.inter))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,0 +1,79 @@
+"""SwiGLU and RoPE over many tokens in one C pass each (kernels/token_ops.c), for the PyTorch path.
+
+A long prefill chunk spends about a fifth of its time in the element-wise operations between its
+products once those run at the CPU's best rate: ``F.silu(gate) * up`` and RoPE's four operations
+each pass over the whole chunk. The C versions make one pass each, threaded over rows.
+
+Both functions return None (the caller then runs the PyTorch formula) unless the kernel applies:
+a CPU tensor in float32 or bfloat16, at least ``MIN_ROWS`` rows (below that a call's fixed cost is
+not repaid: decode steps run in the fused step anyway), the layout each expects, a compiler.
+``MINSERVE_TOKEN_OPS=torch`` turns them off; ``=c`` (the default) uses them where they apply.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+from minserve.kernels.build import KernelUnavailable, load
+
+MIN_ROWS = 16
+CHOICES = ("c", "torch")
+_DTYPES = (torch.float32, torch.bfloat16)
+_P, _I, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+def choice() -> str:
+    """``MINSERVE_TOKEN_OPS``: "c" (default) or "torch"; anything else is an error."""
+    wanted = os.environ.get("MINSERVE_TOKEN_OPS", "c").strip().lower() or "c"
+    if wanted not in CHOICES:
+        raise ValueError(f"MINSERVE_TOKEN_OPS must be one of {', '.join(CHOICES)}, got {wanted!r}")
+    return wanted
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    try:
+        lib = load("token_ops")
+    except KernelUnavailable:
+        return None
+    lib.ms_silu_mul.restype = None
+    lib.ms_silu_mul.argtypes = [_P, _I, _P, _I, _I, _INT, _INT]
+    lib.ms_rope.restype = None
+    lib.ms_rope.argtypes = [_P, _I, _I, _I, _I, _P, _P, _INT, _INT]
+    return lib
+
+
+def _takes(x: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype in _DTYPES and x.dim() >= 2 and x.shape[0] >= MIN_ROWS
+            and choice() == "c" and _library() is not None)
+
+
+def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor | None:
+    """``silu(gate_up[:, :inter]) * gate_up[:, inter:]`` -> [T, inter], or None (not taken)."""
+    if not (_takes(gate_up) and gate_up.dim() == 2 and gate_up.stride(1) == 1
+            and gate_up.shape[1] == 2 * inter):
+        return None
+    out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype)
+    _library().ms_silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0],
+                           inter, int(gate_up.dtype is torch.bfloat16), 0)
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor | None:
+    """Rotate ``x`` [T, heads, D] in place by the gathered tables ``cos``/``sin_signed`` [T, 1, D]
+    (x's dtype) and return it, or None (not taken; x untouched). x's heads must be contiguous
+    within a row (a column slice of a [T, n * D] product is: its row stride is free)."""
+    if not (_takes(x) and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+            and x.shape[2] % 2 == 0 and x.shape[2] <= 512):
+        return None
+    T, heads, D = x.shape
+    tables = [t.reshape(T, D) for t in (cos, sin_signed)]
+    if any(t.dtype is not x.dtype or not t.is_contiguous() or t.shape != (T, D) for t in tables):
+        return None
+    _library().ms_rope(x.data_ptr(), x.stride(0), T, heads, D, tables[0].data_ptr(),
+                       tables[1].data_ptr(), int(x.dtype is torch.bfloat16), 0)
+    return x
