@@ -91,3 +91,28 @@ void ms_rope(void *x, int64_t ld, int64_t T, int64_t heads, int64_t D, const voi
         }
     }
 }
+
+/* RMSNorm of bfloat16 rows as transformers computes it for a half-precision model: widen to float32,
+ * x * rsqrt(mean(x^2) + eps) rounded to bfloat16, then times the bf16 weight, rounded again.
+ * (float32 rows keep PyTorch's fused F.rms_norm, bit-identical to the reference.) */
+void ms_rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *out, int64_t T,
+                      int64_t dim, float eps, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : omp_get_max_threads())
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *xr = x + t * ldx;
+        uint16_t *o = out + t * dim;
+        vf16 acc = {0};
+        float tail = 0.f;
+        int64_t i = 0;
+        for (; i + 16 <= dim; i += 16) {
+            vf16 v = bf16x16_to_float(xr + i);
+            acc += v * v;
+        }
+        for (; i < dim; i++) tail += bf16_to_float(xr[i]) * bf16_to_float(xr[i]);
+        const float inv = 1.0f / sqrtf((hsum(acc) + tail) / (float)dim + eps);
+        for (i = 0; i < dim; i++) {
+            float normed = bf16_to_float(float_to_bf16(bf16_to_float(xr[i]) * inv));
+            o[i] = float_to_bf16(bf16_to_float(w[i]) * normed);
+        }
+    }
+}

@@ -1,4 +1,4 @@
-"""SwiGLU and RoPE over many tokens in one C pass each (kernels/token_ops.c), for the PyTorch path.
+"""SwiGLU, RoPE and bfloat16 RMSNorm over many tokens in one C pass each (kernels/token_ops.c), for the PyTorch path.
 
 A long prefill chunk spends about a fifth of its time in the element-wise operations between its
 products once those run at the CPU's best rate: ``F.silu(gate) * up`` and RoPE's four operations
@@ -44,6 +44,8 @@ def _library() -> ctypes.CDLL | None:
     lib.ms_silu_mul.argtypes = [_P, _I, _P, _I, _I, _INT, _INT]
     lib.ms_rope.restype = None
     lib.ms_rope.argtypes = [_P, _I, _I, _I, _I, _P, _P, _INT, _INT]
+    lib.ms_rms_norm_bf16.restype = None
+    lib.ms_rms_norm_bf16.argtypes = [_P, _I, _P, _P, _I, _I, ctypes.c_float, _INT]
     return lib
 
 
@@ -77,3 +79,15 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
     _library().ms_rope(x.data_ptr(), x.stride(0), T, heads, D, tables[0].data_ptr(),
                        tables[1].data_ptr(), int(x.dtype is torch.bfloat16), 0)
     return x
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of bfloat16 rows ``x`` [T, dim] by the bf16 ``weight`` [dim], rounded as the PyTorch
+    formula in minserve/models/layers.py rounds (twice), or None (not taken)."""
+    if not (_takes(x) and x.dtype is torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1
+            and weight.dtype is torch.bfloat16 and weight.is_contiguous() and weight.shape == (x.shape[1],)):
+        return None
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    _library().ms_rms_norm_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(),
+                                x.shape[0], x.shape[1], eps, 0)
+    return out

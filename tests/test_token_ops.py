@@ -98,3 +98,19 @@ def test_the_model_helpers_agree_with_or_without_the_kernels(monkeypatch):
     without = silu_mul(gu, 48), apply_rope(x.clone(), cos, sin)
     for a, b in zip(with_c, without):
         torch.testing.assert_close(a, b, rtol=4e-6, atol=1e-6)
+
+
+def test_bfloat16_rms_norm_rounds_as_the_pytorch_formula():
+    from minserve.models.layers import RMSNorm
+    g = torch.Generator().manual_seed(6)
+    norm = RMSNorm(72, 1e-5, dtype=torch.bfloat16)
+    norm.weight.data.copy_((torch.rand(72, generator=g) + 0.5).to(torch.bfloat16))
+    x = (torch.randn(40, 72, generator=g) * 3).to(torch.bfloat16)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+    expected = norm.weight * h.to(torch.bfloat16)
+    out = norm.forward(x)
+    # The mean of squares summed in another order: a value on a rounding boundary may land one
+    # bf16 step away, after either rounding.
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=1e-6)
+    assert (out != expected).float().mean() < 0.02

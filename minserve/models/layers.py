@@ -155,7 +155,11 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:
             # One fused kernel instead of five small ops; bit-identical to the formula below in fp32.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Half precision: normalize in fp32 (the mean of squares overflows fp16), as transformers does.
+        # Half precision: normalize in fp32 (the mean of squares overflows fp16), as transformers does:
+        # one C pass for many bf16 rows on the CPU (kernels/token_ops.py), the same two roundings.
+        out = token_ops.rms_norm_bf16(x, self.weight, self.eps)
+        if out is not None:
+            return out
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
