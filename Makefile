@@ -76,8 +76,8 @@ labs-sync: venv
 # venv those tests skip, naming `make vllm-venv`. A failed setup fails CI rather than skip silently.
 #
 # TEST_LAYOUT=two (the default) runs two pytest processes side by side, through tests/run_suite.py:
-# the ten notebooks in one, at PyTorch's default threads, and the rest of tests/ in the other, at
-# one thread. Alone, each takes about half of a one-process run and neither keeps both cores busy
+# the ten notebooks in one and the rest of tests/ in the other, each at one thread, so that each has a
+# core (NOTEBOOK_THREADS=2 gives the notebooks two; beside the tests that ran lab 09 4x slower). Alone, each takes about half of a one-process run and neither keeps both cores busy
 # (a quiet one-process run on a slow host, 2026-12-02: 82 min wall for 114 min of CPU, 40 of them the
 # notebooks); side by side each fills the other's idle core. TEST_LAYOUT=one runs everything in one
 # process, in turn. PYTEST_ARGS go to each pytest (e.g. PYTEST_ARGS="-x --durations=20").

@@ -11,10 +11,13 @@ pytest-xdist cannot split the work this way: with ``--dist loadfile`` two worker
 notebook (both then run on a contended machine at one thread), and with ``--dist loadgroup`` it ran
 a notebook's cells out of order (measured 2026-12-02, 149 NameErrors).
 
-The unit tests run one thread each (``MINSERVE_TEST_THREADS=1``, tests/conftest.py), so that they
-take one core and leave the other to the notebook; a test that wants a team of two asks for it.
-The notebooks keep PyTorch's default threads: they are written for a 2-core laptop and say when
-another process holds a core (lab hygiene), which this layout is, by design.
+Each side runs one thread, so that each has a core of its own: the unit tests through
+``MINSERVE_TEST_THREADS=1`` (tests/conftest.py; a test that wants a team of two asks for it), the
+notebooks' kernels through ``OMP_NUM_THREADS=1`` (``NOTEBOOK_THREADS`` overrides it). A team of
+two beside a busy process is the slow case on two cores: an OpenMP region ends when its
+descheduled thread does, and prefill steps keep the full team (the adaptive thread count,
+minserve/engine/threads.py, covers decode steps). Measured 2026-12-03 on the Intel host, lab 09
+alone: 24 s quiet at two threads; beside a busy loop 110 s at two threads, 31 s at one.
 
 The unit tests print to the terminal as they run; the notebooks' output goes to
 ``build/test-logs/notebooks.log`` and its summary (all of it, when a notebook failed) is printed
@@ -57,7 +60,9 @@ def run_two(extra: list[str], env: dict[str, str]) -> int:
     log = LOGS / "notebooks.log"
     start = time.monotonic()
     with open(log, "w") as out:
-        notebooks = subprocess.Popen(pytest_cmd(["labs"], extra), cwd=ROOT, env=env,
+        threads = os.environ.get("NOTEBOOK_THREADS") or "1"
+        notebooks = subprocess.Popen(pytest_cmd(["labs"], extra), cwd=ROOT,
+                                     env={**env, "OMP_NUM_THREADS": threads},
                                      stdout=out, stderr=subprocess.STDOUT)
         print(f"notebooks (labs/) run beside the tests; their output: {log.relative_to(ROOT)}",
               flush=True)
