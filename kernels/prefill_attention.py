@@ -32,14 +32,14 @@ CHOICES = ("c", "sdpa")
 # on the tiles: 357 GFLOP/s against this kernel's 147 on 1024 causal tokens (bench_roofline.py's
 # kernel table on the Intel Xeon host, 2026-12-03), so there bf16 goes to SDPA.
 INPUT_DTYPES = (torch.float32, torch.bfloat16)
+_f32p = ctypes.POINTER(ctypes.c_float)
+_I64 = ctypes.c_int64
 
 
 @functools.cache
 def _routes_bf16_here() -> bool:
     """Whether bf16 chunks are better off in this kernel than in SDPA on this CPU (no AMX)."""
     return "amx_bf16" not in cpu_flags()
-_f32p = ctypes.POINTER(ctypes.c_float)
-_I64 = ctypes.c_int64
 
 
 def choice() -> str:

@@ -104,6 +104,16 @@ def test_hash_collision_is_caught_by_token_check():
     assert pool.lookup(b"same-hash", (b"", b"x", (9, 9, 9))) is None  # same hash, other tokens
 
 
+def test_released_plain_blocks_are_reused_first_in_their_order():
+    """Last in, first out: the next request writes into the pages the last one warmed, in the same
+    order (consecutive blocks stay consecutive), before any never-used block."""
+    pool = BlockPool(8)
+    first = pool.allocate(3)
+    assert first == [0, 1, 2]
+    pool.release(first)
+    assert pool.allocate(4) == [0, 1, 2, 3]
+
+
 def test_eviction_is_lru_and_never_touches_blocks_in_use():
     kv = KVCacheManager(KVCacheSpec(num_blocks=6, block_size=4, bytes_per_token=1), True, "m")
     pool = kv.pool

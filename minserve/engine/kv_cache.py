@@ -62,7 +62,7 @@ class BlockPool:
         # eviction policy (least recently used by default; engine/eviction.py) and are evicted
         # only when the plain ones run out. Plain blocks go last in, first out: a block just
         # released has its pages mapped and possibly in the CPU's caches, while a never-used one
-        # costs page faults on first touch (the CPU cache is zeroed on demand, kv_sizing.py):
+        # costs page faults on first touch (a CPU KV cache is zeroed on demand, kv_sizing.py):
         # 1024 prompt tokens into fresh blocks cost an fp32 prefill ~8 % more on a 2-core host.
         self._free_plain: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._free_cached: EvictionPolicy = LRUEviction()
