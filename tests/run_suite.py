@@ -11,9 +11,8 @@ pytest-xdist cannot split the work this way: with ``--dist loadfile`` two worker
 notebook (both then run on a contended machine at one thread), and with ``--dist loadgroup`` it ran
 a notebook's cells out of order (measured 2026-12-02, 149 NameErrors).
 
-The notebooks' side also takes the tests that run whole notebooks against a server
-(``BESIDE_NOTEBOOKS``), to even the two out. Each side runs one thread, so that each has a core of
-its own: the unit tests through ``MINSERVE_TEST_THREADS=1`` (tests/conftest.py; a test that wants a team of two asks for it), the
+Each side runs one thread, so that each has a core of its own: the unit tests through
+``MINSERVE_TEST_THREADS=1`` (tests/conftest.py; a test that wants a team of two asks for it), the
 notebooks' kernels through ``OMP_NUM_THREADS=1`` (``NOTEBOOK_THREADS`` overrides it). A team of
 two beside a busy process is the slow case on two cores: an OpenMP region ends when its
 descheduled thread does, and prefill steps keep the full team (the adaptive thread count,
@@ -56,26 +55,19 @@ def run_one(extra: list[str], env: dict[str, str]) -> int:
     return subprocess.call(pytest_cmd(["tests", "labs"], extra), cwd=ROOT, env=env)
 
 
-# Tests that execute whole notebooks against a server go with the notebooks: measured 2026-12-03
-# (Intel host, fresh clone) the notebooks' side took 18.2 min and tests/ 25.2, and these take ~4.
-BESIDE_NOTEBOOKS = ["tests/test_lab_target.py"]
-
-
 def run_two(extra: list[str], env: dict[str, str]) -> int:
     LOGS.mkdir(parents=True, exist_ok=True)
     log = LOGS / "notebooks.log"
     start = time.monotonic()
     with open(log, "w") as out:
         threads = os.environ.get("NOTEBOOK_THREADS") or "1"
-        notebooks = subprocess.Popen(pytest_cmd(["labs", *BESIDE_NOTEBOOKS], extra), cwd=ROOT,
-                                     env={**env, "OMP_NUM_THREADS": threads,
-                                          "MINSERVE_TEST_THREADS": threads},
+        notebooks = subprocess.Popen(pytest_cmd(["labs"], extra), cwd=ROOT,
+                                     env={**env, "OMP_NUM_THREADS": threads},
                                      stdout=out, stderr=subprocess.STDOUT)
         print(f"notebooks (labs/) run beside the tests; their output: {log.relative_to(ROOT)}",
               flush=True)
         try:
-            ignored = [f"--ignore={path}" for path in BESIDE_NOTEBOOKS]
-            tests_rc = subprocess.call(pytest_cmd(["tests", *ignored], extra), cwd=ROOT,
+            tests_rc = subprocess.call(pytest_cmd(["tests"], extra), cwd=ROOT,
                                        env={**env, "MINSERVE_TEST_THREADS": "1"})
             tests_done = time.monotonic() - start
             if notebooks.poll() is None:
