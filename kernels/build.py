@@ -57,6 +57,15 @@ def cpu_info(*fields: str) -> str:
     return ""
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The switch ``name`` from the environment, lower-cased: one of ``choices`` (the first is the
+    default, also for an empty value); anything else is a ValueError naming the allowed values."""
+    wanted = os.environ.get(name, choices[0]).strip().lower() or choices[0]
+    if wanted not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {wanted!r}")
+    return wanted
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags ("avx512_bf16", "amx_bf16", ...; ARM's "Features"), or an empty set."""
     return set(cpu_info("flags", "Features").split())

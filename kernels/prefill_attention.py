@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
-from minserve.kernels.build import KernelUnavailable, cpu_flags, load
+from minserve.kernels.build import KernelUnavailable, cpu_flags, env_choice, load
 
 # Below this many queries a chunk is a decode or a verification step, where SDPA's fixed cost is
 # small and the C kernel's per-call work (transposing every key) is not repaid.
@@ -44,10 +43,7 @@ def _routes_bf16_here() -> bool:
 
 def choice() -> str:
     """``MINSERVE_PREFILL_ATTENTION``: "c" (default) or "sdpa"; anything else is an error."""
-    wanted = os.environ.get("MINSERVE_PREFILL_ATTENTION", "c").strip().lower() or "c"
-    if wanted not in CHOICES:
-        raise ValueError(f"MINSERVE_PREFILL_ATTENTION must be one of {', '.join(CHOICES)}, got {wanted!r}")
-    return wanted
+    return env_choice("MINSERVE_PREFILL_ATTENTION", CHOICES)
 
 
 @functools.cache

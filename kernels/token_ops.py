@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
-from minserve.kernels.build import KernelUnavailable, load
+from minserve.kernels.build import KernelUnavailable, env_choice, load
 
 MIN_ROWS = 16
 CHOICES = ("c", "torch")
@@ -28,10 +27,7 @@ _P, _I, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 def choice() -> str:
     """``MINSERVE_TOKEN_OPS``: "c" (default) or "torch"; anything else is an error."""
-    wanted = os.environ.get("MINSERVE_TOKEN_OPS", "c").strip().lower() or "c"
-    if wanted not in CHOICES:
-        raise ValueError(f"MINSERVE_TOKEN_OPS must be one of {', '.join(CHOICES)}, got {wanted!r}")
-    return wanted
+    return env_choice("MINSERVE_TOKEN_OPS", CHOICES)
 
 
 @functools.cache
