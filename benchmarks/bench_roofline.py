@@ -16,7 +16,8 @@ ceilings here and then times the three step types that decide a server's behavio
 - **batch-1 decode**: the median decode step of one request;
 - **the kernels by library**: each product of those steps in MKL fp32 (``F.linear``), oneDNN fp32
   (what minserve's float32 ``Linear`` uses, minserve/models/gemm.py), oneDNN bf16 and, at decode
-  sizes, minserve's C (the fused step's float32 product, kernels/decode.c); the prefill attention
+  sizes, minserve's C (the fused step's float32 product, kernels/decode.c, and its bfloat16 one: the
+  vector loop and, where the CPU has them, AMX tiles, kernels/amx_bf16.h); the prefill attention
   in PyTorch's CPU flash SDPA and in minserve's C (kernels/prefill_attention.c), in GFLOP/s.
 
 For each step and format the table gives the measured step time, the arithmetic it did (the
@@ -161,6 +162,35 @@ def _c_matmul():
     return lambda x, w: run(x, w, torch.empty(x.shape[0], w.shape[0]))
 
 
+def _c_bf16_matmul(tiles: bool):
+    """decode.c's product for a bfloat16 weight (the fused step's, dtype="bfloat16"), as
+    fn(x, w_bf16) -> y: on AMX tiles where the CPU has them (``tiles``), else the vector loop that
+    widens each weight to float32; None without a compiler, or for tiles where there are none."""
+    import ctypes
+
+    import torch
+    from minserve.kernels.build import KernelUnavailable, load
+    from minserve.kernels.decode import WEIGHT_BF16, _Weight
+    try:
+        lib = load("decode")
+    except KernelUnavailable:
+        return None
+    lib.ms_weight_matmul.restype = ctypes.c_int64
+    if tiles and not lib.ms_amx(1):
+        return None
+
+    def run(x, w):
+        lib.ms_amx(int(tiles))
+        y, xs = torch.empty(x.shape[0], w.shape[0]), torch.empty(x.shape[0] * (x.shape[1] + 1))
+        desc = _Weight(WEIGHT_BF16, ctypes.c_void_p(w.data_ptr()), None, None, None, 0, 0)
+        lib.ms_weight_matmul(ctypes.byref(desc), *(ctypes.c_void_p(t.data_ptr()) for t in (x, xs, y)),
+                             ctypes.c_int64(x.shape[0]), ctypes.c_int64(x.shape[1]),
+                             ctypes.c_int64(w.shape[0]), ctypes.c_int(0))
+        lib.ms_amx(1)   # the default again
+        return y
+    return run
+
+
 def kernel_rates() -> list[dict]:
     """GFLOP/s of the products a step runs, by library: MKL (``F.linear`` on float32), oneDNN on
     the plain float32 weight (minserve/models/gemm.py's choice), oneDNN in bf16, minserve's C (the
@@ -171,6 +201,7 @@ def kernel_rates() -> list[dict]:
     from minserve.kernels.prefill_attention import prefill_attention
     onednn = torch.ops.mkldnn._linear_pointwise
     c_matmul = _c_matmul()
+    c_bf16 = {"minserve C bf16, vector": _c_bf16_matmul(False), "minserve C bf16, AMX": _c_bf16_matmul(True)}
     rows = []
     for m, k, n in GEMM_SHAPES:
         x, w = torch.randn(m, k), torch.randn(n, k)
@@ -181,7 +212,9 @@ def kernel_rates() -> list[dict]:
                      "MKL fp32": flops / _median_time(lambda: F.linear(x, w)) / 1e9,
                      "oneDNN fp32": flops / _median_time(lambda: onednn(x, w, None, "none", [], "")) / 1e9,
                      "oneDNN bf16": flops / _median_time(lambda: F.linear(xb, wb)) / 1e9,
-                     "minserve C": c, "flash SDPA": None})
+                     "minserve C": c, "flash SDPA": None,
+                     **{name: flops / _median_time(lambda: fn(x, wb)) / 1e9 if fn and m <= 16 else None
+                        for name, fn in c_bf16.items()}})
     q, kv = torch.randn(1, 9, 1024, 64), torch.randn(1, 3, 1024, 64)
     flops = 4 * 1024 * 1024 * 64 * 9 / 2        # QK^T and PV, causal: half the square
     for dtype in (torch.float32, torch.bfloat16):
@@ -194,7 +227,7 @@ def kernel_rates() -> list[dict]:
             c = flops / _median_time(lambda: prefill_attention(qr, kr, kr, 0.125)) / 1e9
         rows.append({"kernel": f"causal attention, 1024 tokens, {str(dtype).replace('torch.', '')}",
                      "MKL fp32": None, "oneDNN fp32": None, "oneDNN bf16": None, "minserve C": c,
-                     "flash SDPA": flops / t / 1e9})
+                     "flash SDPA": flops / t / 1e9, **dict.fromkeys(c_bf16)})
     return rows
 
 

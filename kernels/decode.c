@@ -19,7 +19,8 @@
  * Layout contracts (checked on the Python side, kernels/decode.py):
  * - each weight matrix is [out_features, in_features], q/k/v and gate/up fused as in llama.py, in
  *   its own format (a Weight): row-major fp32 or bf16 (a dtype="bfloat16" model: widened in
- *   registers, exactly, so the step computes in fp32), or int8 / int4 in minserve/quant/formats.py's
+ *   registers, exactly, so the step computes in fp32; with two or more rows on an AMX CPU, tiles
+ *   multiply the weights by each input split in two bf16 halves, amx_bf16.h), or int8 / int4 in minserve/quant/formats.py's
  *   layouts, multiplied with the dequantization in the weight stream (quant_dot.h, shared with
  *   quant.c). Fewer bytes per weight is the whole point at batch 1: the step is a weight stream;
  * - the KV cache of a layer is [num_blocks, block_size, kv_heads, head_dim], addressed through
@@ -30,6 +31,7 @@
  *   the sign of rotate_half folded into the sin table).
  */
 #define _POSIX_C_SOURCE 199309L   /* clock_gettime under -std=c11 */
+#define _DEFAULT_SOURCE           /* syscall (amx_bf16.h asks Linux for the AMX tile state) */
 #include <math.h>
 #include <string.h>
 #include <time.h>
@@ -37,6 +39,7 @@
 #include "quant_a8.h"    /* quant_dot.h (vf16, hsum, ROW_TILE, the int8 / int4 row loops, qmatmul,
                             order_columns) and the int8-activation loops, qmatmul_a8 */
 #include "vmath.h"       /* vexp: exp of 16 floats (softmax, SiLU) */
+#include "amx_bf16.h"    /* amx_matmul: bf16 weights times several rows on AMX tiles, where built */
 
 
 /* A float32 product's register block (dot_rows): weight rows x input rows per pass over a tile.
@@ -188,8 +191,14 @@ dot_rows(const void *restrict W, int64_t in, int64_t r0, int64_t r1, const float
  * the sums stay float32). Threads split the output rows; a row tile is re-read from cache for every group
  * of DENSE_BATCH_PASS inputs, so DRAM sees each weight once per step whatever the batch. Returns
  * the team size. */
-static int64_t dense_matmul(const void *W, const float *bias, const float *x, float *y, int64_t B,
-                            int64_t in, int64_t out, int accumulate, int bf16, int nthreads) {
+static int64_t dense_matmul(const void *W, const float *bias, const float *x, float *xs, float *y,
+                            int64_t B, int64_t in, int64_t out, int accumulate, int bf16, int nthreads) {
+#ifdef HAVE_AMX_BF16
+    if (bf16 && xs && B >= AMX_MIN_ROWS && in % AMX_K == 0 && amx_state > 0)
+        return amx_matmul(W, bias, x, xs, y, B, in, out, accumulate, nthreads);
+#else
+    (void)xs;
+#endif
     int64_t tiles = (out + ROW_TILE - 1) / ROW_TILE, team = 1;
     #pragma omp parallel num_threads(nthreads)
     {
@@ -224,7 +233,19 @@ static int64_t dense_matmul(const void *W, const float *bias, const float *x, fl
 /* ms_matmul with the caller's OpenMP default team (PyTorch's thread count). Exported for the tests. */
 void ms_matmul(const float *W, const float *bias, const float *x, float *y, int64_t B, int64_t in,
                int64_t out, int accumulate) {
-    dense_matmul(W, bias, x, y, B, in, out, accumulate, 0, omp_get_max_threads());
+    dense_matmul(W, bias, x, NULL, y, B, in, out, accumulate, 0, omp_get_max_threads());
+}
+
+/* Use AMX tiles for bf16 weights times several rows (want = 1; the first call asks Linux for the
+ * tile state) or not (want = 0). Returns 1 when they are in use: never where this build or CPU
+ * lacks AMX, or Linux refused. */
+int ms_amx(int want) {
+#ifdef HAVE_AMX_BF16
+    return amx_enable(want);
+#else
+    (void)want;
+    return 0;
+#endif
 }
 
 /* The same product for a weight in any format. Quantized ones go through quant_dot.h's loops, which
@@ -236,7 +257,7 @@ void ms_matmul(const float *W, const float *bias, const float *x, float *y, int6
 static int64_t matmul(const Weight *w, const float *x, float *xs, float *y, int64_t B, int64_t in,
                       int64_t out, int accumulate, int nthreads) {
     if (w->format == WEIGHT_F32 || w->format == WEIGHT_BF16)
-        return dense_matmul(w->data, w->bias, x, y, B, in, out, accumulate,
+        return dense_matmul(w->data, w->bias, x, xs, y, B, in, out, accumulate,
                             w->format == WEIGHT_BF16, nthreads);
     QWeight q = {w->format == WEIGHT_INT8 ? 8 : 4, w->data, w->scales, w->mins, w->bias,
                  w->group_size, in, out};

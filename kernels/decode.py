@@ -21,7 +21,9 @@ layer's own forward does (minserve/quant/activations.py). The kernel refuses any
 so it never reads int8 codes or bf16 halves as float32. The KV cache is float32 ``(key, value)``
 per layer, or ``kv_cache_dtype="int8"``'s ``(key codes, value codes, key scales, value scales)``,
 written and read in place (quantized on write exactly as kernels/triton/reference.py does).
-Half precision and GPUs keep using the PyTorch path.
+bfloat16 weights (``dtype="bfloat16"``) are widened to float32 as they stream in; a step of several
+rows multiplies them on AMX tiles where the CPU has them (kernels/amx_bf16.h; ``MINSERVE_AMX=off``
+keeps the vector loop). float16 and GPUs keep using the PyTorch path.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import ctypes
 
 import torch
 
-from minserve.kernels.build import KernelUnavailable, load
+from minserve.kernels.build import KernelUnavailable, env_choice, load
 from minserve.kernels.formats import DENSE
 
 _f32p = ctypes.POINTER(ctypes.c_float)
@@ -75,6 +77,12 @@ class _ModelPtrs(ctypes.Structure):
 class _Scratch(ctypes.Structure):
     _fields_ = ([(n, _f32p) for n in ("h", "x", "qkv", "attn", "gate_up", "act", "xs", "scores")]
                 + [("scores_stride", _I64)])
+
+
+def amx_wanted() -> bool:
+    """``MINSERVE_AMX``: "auto" (default: AMX tiles for bf16 weights where the CPU has them) or
+    "off"; anything else is an error."""
+    return env_choice("MINSERVE_AMX", ("auto", "off")) == "auto"
 
 
 def _ptr(t: torch.Tensor | None, kind=_f32p):
@@ -306,6 +314,9 @@ class FusedDecoder:
         self._lib = load("decode")
         self.library_name = self._lib._name
         self._lib.ms_decode_step.restype = _I64
+        # bf16 weights times several rows on AMX tiles where the CPU has them (amx_bf16.h);
+        # MINSERVE_AMX=off keeps the vector loop. A process-wide switch, as the library is one.
+        self.uses_amx = bool(self._lib.ms_amx(ctypes.c_int(amx_wanted())))
         self.last_team_size = 0   # OpenMP threads that ran the last step (the kernel reports it)
         self.max_rows, self._decode_only = limit, max_rows is None
         self._blocks, self._positions = kv_caches[0][0].shape[0], model.rotary.cos.shape[0]

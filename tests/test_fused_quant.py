@@ -335,7 +335,8 @@ def test_engine_decodes_through_the_kernel_with_quantized_weights_and_int8_kv(mo
 def test_kernel_cache_key_covers_the_files_a_source_includes(tmp_path, monkeypatch):
     """decode.c and quant.c share quant_dot.h (through quant_a8.h): editing it must rebuild both."""
     decode_files = {p.name for p in kernel_build.source_files("decode")}
-    assert decode_files == {"decode.c", "decode_attention.h", "quant_dot.h", "quant_a8.h", "vmath.h"}
+    assert decode_files == {"decode.c", "decode_attention.h", "quant_dot.h", "quant_a8.h", "vmath.h",
+                            "amx_bf16.h"}
     assert {p.name for p in kernel_build.source_files("prefill_attention")} == {
         "prefill_attention.c", "quant_dot.h", "vmath.h"}
     assert {p.name for p in kernel_build.source_files("quant")} == {"quant.c", "quant_dot.h", "quant_a8.h"}
