@@ -3,6 +3,7 @@
     python tests/run_suite.py                 # two pytest processes side by side (the default)
     python tests/run_suite.py --layout one    # one pytest process, everything in turn
     python tests/run_suite.py -- -x -k lab    # anything after -- goes to each pytest
+    python tests/run_suite.py -- tests/test_api.py labs/00_tour.ipynb   # just these, side by side
 
 Why two processes: the ten notebooks (executed by nbval) and the rest of tests/ take about the
 same time alone, and neither keeps both cores busy — a notebook waits on its kernel and on HTTP
@@ -51,23 +52,44 @@ def notebook_summary(log: Path, failed: bool) -> str:
     return lines[-1] if lines else "(no output)"
 
 
-def run_one(extra: list[str], env: dict[str, str]) -> int:
-    return subprocess.call(pytest_cmd(["tests", "labs"], extra), cwd=ROOT, env=env)
+def split_paths(extra: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """pytest's arguments -> (test paths, notebook paths, the rest). A path is an argument naming a
+    file or folder under the repository (``tests/test_x.py::test_y`` counts, by its file); a
+    notebook path is one under labs/."""
+    tests, labs, rest = [], [], []
+    for arg in extra:
+        if not arg.startswith("-") and (ROOT / arg.split("::")[0]).exists():
+            (labs if Path(arg.split("::")[0]).parts[:1] == ("labs",) else tests).append(arg)
+        else:
+            rest.append(arg)
+    return tests, labs, rest
+
+
+def run_one(paths: list[str], extra: list[str], env: dict[str, str]) -> int:
+    return subprocess.call(pytest_cmd(paths, extra), cwd=ROOT, env=env)
 
 
 def run_two(extra: list[str], env: dict[str, str]) -> int:
+    """Every test beside every notebook; or, when ``extra`` names paths, those: side by side when
+    they include both tests and notebooks, else in one process (nothing to run beside it)."""
+    tests, labs, extra = split_paths(extra)
+    if tests or labs:
+        if not (tests and labs):
+            return run_one(tests + labs, extra, env)
+    else:
+        tests, labs = ["tests"], ["labs"]
     LOGS.mkdir(parents=True, exist_ok=True)
     log = LOGS / "notebooks.log"
     start = time.monotonic()
     with open(log, "w") as out:
         threads = os.environ.get("NOTEBOOK_THREADS") or "1"
-        notebooks = subprocess.Popen(pytest_cmd(["labs"], extra), cwd=ROOT,
+        notebooks = subprocess.Popen(pytest_cmd(labs, extra), cwd=ROOT,
                                      env={**env, "OMP_NUM_THREADS": threads},
                                      stdout=out, stderr=subprocess.STDOUT)
         print(f"notebooks (labs/) run beside the tests; their output: {log.relative_to(ROOT)}",
               flush=True)
         try:
-            tests_rc = subprocess.call(pytest_cmd(["tests"], extra), cwd=ROOT,
+            tests_rc = subprocess.call(pytest_cmd(tests, extra), cwd=ROOT,
                                        env={**env, "MINSERVE_TEST_THREADS": "1"})
             tests_done = time.monotonic() - start
             if notebooks.poll() is None:
@@ -97,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="two processes side by side (default) or one (TEST_LAYOUT)")
     args = ap.parse_args(own)
     env = {**os.environ, "MINSERVE_LAB_CI": "1"}
-    return (run_two if args.layout == "two" else run_one)(extra, env)
+    if args.layout == "one":
+        tests, labs, extra = split_paths(extra)
+        return run_one(tests + labs or ["tests", "labs"], extra, env)
+    return run_two(extra, env)
 
 
 if __name__ == "__main__":
