@@ -51,9 +51,18 @@ def _matmul(lib, W, x, bias=None, y=None, accumulate=0):
     return y
 
 
+def _compiler_has_amx() -> bool:
+    """Whether the C compiler targets AMX for this CPU (gcc >= 11 with -march=native on one)."""
+    import subprocess
+    cc = shutil.which("cc") or shutil.which("gcc")
+    macros = subprocess.run([cc, "-march=native", "-dM", "-E", "-"], input="", capture_output=True,
+                            text=True).stdout
+    return "__AMX_BF16__" in macros and "__AMX_TILE__" in macros
+
+
 def test_the_tiles_are_used_exactly_where_the_cpu_has_them():
     lib = _lib()
-    expected = {"amx_bf16", "amx_tile"} <= cpu_flags()
+    expected = {"amx_bf16", "amx_tile"} <= cpu_flags() and _compiler_has_amx()
     assert bool(lib.ms_amx(1)) == expected
     assert lib.ms_amx(0) == 0          # off: the vector loop, whatever the CPU
     assert bool(lib.ms_amx(1)) == expected
@@ -133,3 +142,16 @@ def test_the_roofline_benchmark_times_the_real_products():
         if fn is not None:
             assert ((fn(x, w).double() - want).abs() <= (2.0 ** -18 + 64 * 2.0 ** -24) * scale).all()
     assert bool(_lib().ms_amx(1)) == (tiled is not None)
+
+
+def test_the_environment_switch_turns_the_tiles_off(monkeypatch):
+    llm = LLM("tiny-llama", num_kv_blocks=8, dtype="bfloat16", fused_decode=True, device="cpu")
+    runner = llm.llm_engine.runner
+    monkeypatch.setenv("MINSERVE_AMX", "off")
+    assert FusedDecoder(runner.model, runner.kv_caches, max_rows=4).uses_amx is False
+    monkeypatch.setenv("MINSERVE_AMX", "fast")
+    with pytest.raises(ValueError, match="MINSERVE_AMX must be one of auto, off"):
+        FusedDecoder(runner.model, runner.kv_caches, max_rows=4)
+    monkeypatch.delenv("MINSERVE_AMX")
+    expected = {"amx_bf16", "amx_tile"} <= cpu_flags() and _compiler_has_amx()
+    assert FusedDecoder(runner.model, runner.kv_caches, max_rows=4).uses_amx is expected
