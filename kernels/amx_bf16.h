@@ -40,15 +40,16 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-static int amx_state;      /* 0: not asked yet, 1: usable, -1: refused or turned off */
+static int amx_granted;    /* 0: not asked yet, 1: Linux granted the tile state, -1: refused */
+static int amx_state;      /* 1: products use the tiles (granted and wanted) */
 
 /* Ask Linux for the tile state once (the first call, in the caller's thread); 1 if granted.
  * want = 0 turns AMX off for this process (MINSERVE_AMX=off, and the tests' comparison). */
 static int amx_enable(int want) {
-    if (!want) amx_state = -1;
-    else if (amx_state <= 0)
-        amx_state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return amx_state > 0;
+    if (want && !amx_granted)
+        amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    amx_state = want && amx_granted > 0;
+    return amx_state;
 }
 
 typedef struct {

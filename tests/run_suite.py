@@ -69,15 +69,7 @@ def run_one(paths: list[str], extra: list[str], env: dict[str, str]) -> int:
     return subprocess.call(pytest_cmd(paths, extra), cwd=ROOT, env=env)
 
 
-def run_two(extra: list[str], env: dict[str, str]) -> int:
-    """Every test beside every notebook; or, when ``extra`` names paths, those: side by side when
-    they include both tests and notebooks, else in one process (nothing to run beside it)."""
-    tests, labs, extra = split_paths(extra)
-    if tests or labs:
-        if not (tests and labs):
-            return run_one(tests + labs, extra, env)
-    else:
-        tests, labs = ["tests"], ["labs"]
+def run_two(tests: list[str], labs: list[str], extra: list[str], env: dict[str, str]) -> int:
     LOGS.mkdir(parents=True, exist_ok=True)
     log = LOGS / "notebooks.log"
     start = time.monotonic()
@@ -119,10 +111,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="two processes side by side (default) or one (TEST_LAYOUT)")
     args = ap.parse_args(own)
     env = {**os.environ, "MINSERVE_LAB_CI": "1"}
-    if args.layout == "one":
-        tests, labs, extra = split_paths(extra)
-        return run_one(tests + labs or ["tests", "labs"], extra, env)
-    return run_two(extra, env)
+    # Paths after -- select what runs (each to its side); none: every test and every notebook.
+    # One side only leaves nothing to run beside it: one process.
+    tests, labs, extra = split_paths(extra)
+    if not (tests or labs):
+        tests, labs = ["tests"], ["labs"]
+    if args.layout == "one" or not (tests and labs):
+        return run_one(tests + labs, extra, env)
+    return run_two(tests, labs, extra, env)
 
 
 if __name__ == "__main__":
