@@ -43,8 +43,9 @@
 
 
 /* A float32 product's register block (dot_rows): weight rows x input rows per pass over a tile.
- * 4 x 6 accumulators + 4 weight vectors + 1 input fill most of AVX-512's 32 registers; elsewhere a
- * vf16 takes 2 (AVX2) or 4 (SSE) registers, so one weight row and 8 inputs, as before. */
+ * 4 x 6 accumulators + 4 weight vectors + 1 input fill most of AVX-512's 32 registers; elsewhere
+ * one weight row and 8 inputs (AVX2 accumulates in 8-float vectors, one ymm each: see dvec below;
+ * a larger block there was not measured with them). */
 #if defined(__AVX512F__)
 #define DENSE_ROW_BLOCK 4
 #define DENSE_BATCH_PASS 6
