@@ -163,11 +163,7 @@ static inline __attribute__((always_inline)) vf8 dvec_weights(const void *w, int
  * for one row and for several, which broke a row's independence from the rows beside it */
 #define dvec_load(p) ((vf8)_mm256_loadu_ps(p))
 #define dvec_fma(a, w, x) ((vf8)_mm256_fmadd_ps((__m256)(w), (__m256)(x), (__m256)(a)))
-static inline float dvec_hsum(vf8 v) {
-    union { vf8 whole; vf4 half[2]; } w = {v};
-    vf4 b = w.half[0] + w.half[1];
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
+#define dvec_hsum hsum8
 #endif
 
 static inline __attribute__((always_inline)) void

@@ -58,11 +58,14 @@ typedef float vf4 __attribute__((vector_size(16)));
 
 /* Sum of the 16 lanes as a tree of vector adds: a lane-by-lane loop would be a chain of 15
  * dependent additions per output row, which dominates once several inputs share a weight load. */
-static inline float hsum(vf16 v) {
-    union { vf16 whole; vf8 half[2]; } u = {v};      /* unions, not shuffles: any GCC or clang */
-    union { vf8 whole; vf4 half[2]; } w = {u.half[0] + u.half[1]};
+static inline float hsum8(vf8 v) {
+    union { vf8 whole; vf4 half[2]; } w = {v};        /* unions, not shuffles: any GCC or clang */
     vf4 b = w.half[0] + w.half[1];
     return (b[0] + b[2]) + (b[1] + b[3]);
+}
+static inline float hsum(vf16 v) {
+    union { vf16 whole; vf8 half[2]; } u = {v};
+    return hsum8(u.half[0] + u.half[1]);
 }
 
 static inline void store_row(float *y, float v, const float *bias, int64_t r, int accumulate) {
