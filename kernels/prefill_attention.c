@@ -31,42 +31,64 @@
 #define MR 6              /* rows per register block: 6 x 4 accumulators + 4 loaded vectors */
 #define MAX_GROUP 16      /* query heads per kv head this file takes */
 
-/* acc[r][c] = sum_k A[r, k] * B[k, 16c .. 16c + 15] for mr <= MR rows and 4 vectors of columns:
- * each B row is loaded once (4 vectors) and each A element broadcast once, 4 + mr loads per
- * 4 * mr multiply-adds. */
+/* C[rows, 64] = A[rows, K] @ B[K, 64], or C = C * alpha[row] + that (alpha != NULL): the online
+ * softmax's rescale of the running output, folded into the store.
+ *
+ * The register block: acc[r][c] = sum_k A[r, k] * B[k, c-th vector of columns] for mr <= MR rows;
+ * each B row's vectors are loaded once and each A element broadcast once, so a block does
+ * NV + mr loads per NV * mr multiply-adds. With AVX-512 a block is 6 rows x 4 vf16 (the whole 64
+ * columns; 24 accumulators + 4 loads of 32 zmm registers). AVX2 has 16 ymm registers: there GCC
+ * kept 6 x 4 vf16 accumulators (48 ymm halves) on the stack, as it did in decode.c, so a block is
+ * 6 rows x 2 vf8 (16 columns: 12 accumulators + 2 loads + the broadcast) and the 64 columns take
+ * four passes over A (which stays in L1). */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+typedef vf8 pvec;
+#define NV 2
+#define pvec_load(p) ((vf8)_mm256_loadu_ps(p))
+#define pvec_store(p, v) _mm256_storeu_ps((p), (__m256)(v))
+#define pvec_fma(acc, a, b) ((vf8)_mm256_fmadd_ps((__m256)(b), _mm256_set1_ps(a), (__m256)(acc)))
+#else
+typedef vf16 pvec;
+#define NV 4
+#define pvec_load(p) (*(const vf16 *)(p))
+#define pvec_store(p, v) (*(vf16 *)(p) = (v))
+#define pvec_fma(acc, a, b) ((acc) + (a) * (b))
+#endif
+#define PANEL ((int)(NV * sizeof(pvec) / sizeof(float)))   /* columns per register block */
+
 static inline __attribute__((always_inline)) void
 block_product(const float *restrict A, int64_t lda, const float *restrict B, int64_t ldb, int64_t K,
-              const int mr, vf16 acc[MR][4]) {
+              const int mr, pvec acc[MR][NV]) {
     for (int r = 0; r < mr; r++)
-        for (int c = 0; c < 4; c++) acc[r][c] = (vf16){0};
+        for (int c = 0; c < NV; c++) acc[r][c] = (pvec){0};
     for (int64_t k = 0; k < K; k++) {
-        const float *b = B + k * ldb;
-        vf16 b0 = *(const vf16 *)b, b1 = *(const vf16 *)(b + 16);
-        vf16 b2 = *(const vf16 *)(b + 32), b3 = *(const vf16 *)(b + 48);
+        pvec b[NV];
+        for (int c = 0; c < NV; c++) b[c] = pvec_load(B + k * ldb + c * (PANEL / NV));
         for (int r = 0; r < mr; r++) {
             float a = A[r * lda + k];
-            acc[r][0] += a * b0; acc[r][1] += a * b1; acc[r][2] += a * b2; acc[r][3] += a * b3;
+            for (int c = 0; c < NV; c++) acc[r][c] = pvec_fma(acc[r][c], a, b[c]);
         }
     }
 }
 
-/* C[rows, 64] = A[rows, K] @ B[K, 64], or C = C * alpha[row] + that (alpha != NULL): the online
- * softmax's rescale of the running output, folded into the store. */
 static void product_rows(const float *A, int64_t lda, const float *B, int64_t ldb, int64_t K,
                          int64_t rows, float *C, int64_t ldc, const float *alpha) {
-    vf16 acc[MR][4];
-    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-        int mr = rows - r0 < MR ? (int)(rows - r0) : MR;
-        switch (mr) {   /* a constant row count per case: the accumulators stay in registers */
-#define CASE(n) case n: block_product(A + r0 * lda, lda, B, ldb, K, n, acc); break;
-        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
+    const int lanes = PANEL / NV;
+    pvec acc[MR][NV];
+    for (int64_t col = 0; col < 64; col += PANEL)
+        for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+            int mr = rows - r0 < MR ? (int)(rows - r0) : MR;
+            switch (mr) {   /* a constant row count per case: the accumulators stay in registers */
+#define CASE(n) case n: block_product(A + r0 * lda, lda, B + col, ldb, K, n, acc); break;
+            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
 #undef CASE
+            }
+            for (int r = 0; r < mr; r++)
+                for (int j = 0; j < NV; j++) {
+                    float *c = C + (r0 + r) * ldc + col + j * lanes;
+                    pvec_store(c, alpha ? pvec_load(c) * alpha[r0 + r] + acc[r][j] : acc[r][j]);
+                }
         }
-        for (int r = 0; r < mr; r++) {
-            vf16 *c = (vf16 *)(C + (r0 + r) * ldc);
-            for (int j = 0; j < 4; j++) c[j] = alpha ? c[j] * alpha[r0 + r] + acc[r][j] : acc[r][j];
-        }
-    }
 }
 
 typedef struct {   /* one thread's buffers for a work item: rows = group * QUERY_BLOCK */

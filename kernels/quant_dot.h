@@ -39,8 +39,9 @@ typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
 
 /* Input rows per pass over a tile: 2 x 8 accumulators + temporaries fill AVX-512's 32 registers.
- * Elsewhere a vf16 takes 2 (AVX2) or 4 (SSE) registers of 16, so 4 rows already spill; 4 also
- * halves the code the switch in qmatmul instantiates (the portable build compiles ~2x faster). */
+ * AVX2 has 16: 2 x 4 accumulators (one ymm each, see qacc below) + two weight vectors and an input
+ * (two ymm each) are 14. 4 also halves the code the switch in qmatmul instantiates (the portable
+ * build compiles ~2x faster). */
 #if defined(__AVX512F__)
 #define MAX_BATCH_PASS 8
 #else
@@ -148,17 +149,37 @@ static inline void dequant32(const uint8_t *p, levels_t t, vf16 *even, vf16 *odd
 #define IN_REGISTER(v) ((void)0)   /* AVX2 / portable: a vf16 spans several registers anyway */
 #endif
 
+/* The accumulator of one (weight row, input row) pair, and acc + w * x for 16 columns of each.
+ * AVX-512: one vf16 register. AVX2 has 16 ymm registers, and GCC 12 kept the 2 x 4 vf16
+ * accumulators (16 ymm halves, beside the weights and inputs) on the stack, so every multiply-add
+ * went through memory (objdump of qmatmul: 170 FMAs with a stack operand); there a pair
+ * accumulates in one 8-float vf8, both halves of the 16 columns added into it by explicit FMAs
+ * (low half first), so 2 x 4 accumulators take 8 registers. The order of a row's additions
+ * is the same for every batch size either way. */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+typedef vf8 qacc;
+static inline __attribute__((always_inline)) qacc qfma(qacc a, vf16 w, vf16 x) {
+    vf16_halves wh = {.v = w}, xh = {.v = x};
+    return (qacc)_mm256_fmadd_ps(wh.h[1], xh.h[1], _mm256_fmadd_ps(wh.h[0], xh.h[0], (__m256)a));
+}
+#define qacc_hsum hsum8
+#else
+typedef vf16 qacc;
+#define qfma(a, w, x) ((a) + (w) * (x))
+#define qacc_hsum hsum
+#endif
+
 /* Both row loops below share a shape: two weight rows at a time, so each x vector loaded feeds
  * two multiply-adds and batch 1 has two independent chains of adds (one chain would wait on the
  * FMA latency at every step). An odd last row pairs with itself and is stored once. A row's sum
  * is accumulated the same way whatever nb, its neighbours in the batch or the team size, so
  * results are batch-invariant and bit-identical across thread counts. */
-static inline void store_pair(vf16 acc[2][MAX_BATCH_PASS], float tail[2][MAX_BATCH_PASS],
+static inline void store_pair(qacc acc[2][MAX_BATCH_PASS], float tail[2][MAX_BATCH_PASS],
                               const float scale[2], int64_t r, int64_t r1, const float *bias,
                               float *y, int64_t ldy, const int nb, int accumulate) {
     for (int rr = 0; rr < 2 && r + rr < r1; rr++)
         for (int b = 0; b < nb; b++)
-            store_row(y + b * ldy + r + rr, (hsum(acc[rr][b]) + tail[rr][b]) * scale[rr], bias,
+            store_row(y + b * ldy + r + rr, (qacc_hsum(acc[rr][b]) + tail[rr][b]) * scale[rr], bias,
                       r + rr, accumulate);
 }
 
@@ -169,9 +190,9 @@ int8_rows(const int8_t *restrict codes, const float *restrict scales, const floa
           int64_t ldy, const int nb, int accumulate) {
     for (int64_t r = r0; r < r1; r += 2) {
         const int8_t *w[2] = {codes + r * in, codes + (r + 1 < r1 ? r + 1 : r) * in};
-        vf16 acc[2][MAX_BATCH_PASS];
+        qacc acc[2][MAX_BATCH_PASS];
         float tail[2][MAX_BATCH_PASS] = {{0}};
-        for (int b = 0; b < nb; b++) acc[0][b] = acc[1][b] = (vf16){0};
+        for (int b = 0; b < nb; b++) acc[0][b] = acc[1][b] = (qacc){0};
         int64_t i = 0;
         for (; i + 16 <= in; i += 16) {
             __builtin_prefetch(w[0] + i + INT8_PREFETCH_BYTES, 0, 1);
@@ -180,8 +201,8 @@ int8_rows(const int8_t *restrict codes, const float *restrict scales, const floa
             for (int b = 0; b < nb; b++) {
                 vf16 xv = *(const vf16 *)(x + b * in + i);
                 IN_REGISTER(xv);
-                acc[0][b] += w0 * xv;
-                acc[1][b] += w1 * xv;
+                acc[0][b] = qfma(acc[0][b], w0, xv);
+                acc[1][b] = qfma(acc[1][b], w1, xv);
             }
         }
         for (int rr = 0; rr < 2; rr++)   /* in % 16 last columns */
@@ -202,8 +223,8 @@ int4_rows(const uint8_t *restrict packed, const float *restrict scales, const fl
     int64_t groups = in / g;
     for (int64_t r = r0; r < r1; r += 2) {
         int64_t rows[2] = {r, r + 1 < r1 ? r + 1 : r};
-        vf16 acc[2][MAX_BATCH_PASS];
-        for (int b = 0; b < nb; b++) acc[0][b] = acc[1][b] = (vf16){0};
+        qacc acc[2][MAX_BATCH_PASS];
+        for (int b = 0; b < nb; b++) acc[0][b] = acc[1][b] = (qacc){0};
         for (int64_t k = 0; k < groups; k++) {
             levels_t t[2];
             const uint8_t *p[2];
@@ -222,8 +243,8 @@ int4_rows(const uint8_t *restrict packed, const float *restrict scales, const fl
                     IN_REGISTER(xe);
                     IN_REGISTER(xo);
                     for (int rr = 0; rr < 2; rr++) {   /* two FMAs: fewest operations at batch 16 */
-                        acc[rr][b] += we[rr] * xe;
-                        acc[rr][b] += wo[rr] * xo;
+                        acc[rr][b] = qfma(acc[rr][b], we[rr], xe);
+                        acc[rr][b] = qfma(acc[rr][b], wo[rr], xo);
                     }
                 }
             }
