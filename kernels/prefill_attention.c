@@ -98,18 +98,37 @@ typedef struct {   /* one thread's buffers for a work item: rows = group * QUERY
     float *m, *l, *alpha;   /* [rows] running max, running sum, this block's rescale */
 } Buffers;
 
-static inline float hmax(vf16 v) {
+/* The softmax works at the register's width too: 16 floats with AVX-512, 8 with AVX2, where 16-float
+ * vectors of masks and exps became scalar lane moves through the stack (perf: the softmax took
+ * twice the time of both products together). */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+typedef vf8 svec;
+typedef vi8 sivec;
+#define SVEC_LANE_IDS {0, 1, 2, 3, 4, 5, 6, 7}
+#define svexp vexp8
+#define svsum hsum8
+#else
+typedef vf16 svec;
+typedef vi16 sivec;
+#define SVEC_LANE_IDS {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
+#define svexp vexp
+#define svsum hsum
+#endif
+#define SLANES ((int)(sizeof(svec) / sizeof(float)))
+#define SVECS (KEY_BLOCK / SLANES)   /* vectors in one row of scores */
+
+static inline float hmax(svec v) {
     float m = v[0];
-    for (int t = 1; t < 16; t++) m = v[t] > m ? v[t] : m;
+    for (int t = 1; t < SLANES; t++) m = v[t] > m ? v[t] : m;
     return m;
 }
 
 /* Scores -> probabilities for one key block, updating each row's running max and sum (the online
  * softmax). Keys past a row's own position (causal) or past the block's end get probability 0. */
 static void softmax_block(Buffers *b, int64_t rows, int64_t first_pos, int64_t key0, int64_t nk) {
-    const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const sivec lane = SVEC_LANE_IDS;
     for (int64_t r = 0; r < rows; r++) {
-        vf16 *s = (vf16 *)(b->p + r * KEY_BLOCK);
+        svec *s = (svec *)(b->p + r * KEY_BLOCK);
         int64_t pos = first_pos + r % QUERY_BLOCK;
         int64_t visible = pos - key0 + 1 < nk ? pos - key0 + 1 : nk;   /* keys this row may see */
         if (visible <= 0) {   /* the whole block is in this row's future */
@@ -117,21 +136,21 @@ static void softmax_block(Buffers *b, int64_t rows, int64_t first_pos, int64_t k
             b->alpha[r] = 1.0f;
             continue;
         }
-        vi16 seen[4];
-        vf16 mv = splat(b->m[r]);
-        for (int c = 0; c < 4; c++) {
-            seen[c] = lane + 16 * c < (int32_t)visible;
-            mv = vselect(seen[c] & (s[c] > mv), s[c], mv);
+        sivec seen[SVECS];
+        svec mv = (svec){0} + b->m[r];
+        for (int c = 0; c < SVECS; c++) {
+            seen[c] = lane + SLANES * c < (int32_t)visible;
+            mv = VSELECT(sivec, svec, seen[c] & (s[c] > mv), s[c], mv);
         }
         float mx = hmax(mv);
-        vf16 sum = (vf16){0};
-        for (int c = 0; c < 4; c++) {   /* vexp clamps, so masked lanes are zeroed, not -inf */
-            s[c] = vselect(seen[c], vexp(s[c] - mx), splat(0.0f));
+        svec sum = (svec){0};
+        for (int c = 0; c < SVECS; c++) {   /* vexp clamps, so masked lanes are zeroed, not -inf */
+            s[c] = VSELECT(sivec, svec, seen[c], svexp(s[c] - mx), (svec){0});
             sum += s[c];
         }
         float a = b->m[r] == -INFINITY ? 0.0f : expf(b->m[r] - mx);
         b->alpha[r] = a;
-        b->l[r] = b->l[r] * a + hsum(sum);
+        b->l[r] = b->l[r] * a + svsum(sum);
         b->m[r] = mx;
     }
 }

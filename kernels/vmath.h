@@ -15,26 +15,31 @@ static inline vf16 vselect(vi16 mask, vf16 a, vf16 b) {
 /* exp of 16 floats at once (libm's expf is one scalar call per element; softmax and SiLU need
  * many). Cephes' method: exp(x) = 2^n * exp(r) with n = round(x / ln 2), |r| <= ln(2) / 2, exp(r)
  * from a degree-6 polynomial, ln 2 split in two parts so r is exact. Relative error < 1e-6 against
- * float64 exp (tests/test_fused_decode.py). */
-static inline vf16 vexp(vf16 x) {
-    x = vselect(x > 88.0f, splat(88.0f), x);
-    x = vselect(x < -87.0f, splat(-87.0f), x);
-    vf16 t = x * 1.44269504088896341f + 0.5f;
-    vi16 n = __builtin_convertvector(t, vi16);
-    vf16 nf = __builtin_convertvector(n, vf16);
-    vi16 too_big = nf > t;                   /* truncation rounded a negative t up: floor it */
-    n += too_big;                            /* the mask is -1 where true */
-    nf = __builtin_convertvector(n, vf16);
-    vf16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    vf16 p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (vf16)((n + 127) << 23);      /* 2^n built from its exponent bits */
-}
+ * float64 exp (tests/test_fused_decode.py). One body for two widths: vexp (16 floats) and vexp8
+ * (8 floats, one AVX2 register; prefill_attention.c's softmax works at the register's width). */
+#define VMATH_EXP(name, vf, vi)                                                                  \
+    static inline vf name(vf x) {                                                                \
+        x = VSELECT(vi, vf, x > 88.0f, (vf){0} + 88.0f, x);                                      \
+        x = VSELECT(vi, vf, x < -87.0f, (vf){0} - 87.0f, x);                                     \
+        vf t = x * 1.44269504088896341f + 0.5f;                                                  \
+        vi n = __builtin_convertvector(t, vi);                                                   \
+        vf nf = __builtin_convertvector(n, vf);                                                  \
+        n += (vi)(nf > t);              /* truncation rounded a negative t up: floor it (-1) */ \
+        nf = __builtin_convertvector(n, vf);                                                     \
+        vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;                                      \
+        vf p = (vf){0} + 1.9875691500e-4f;                                                       \
+        p = p * r + 1.3981999507e-3f;                                                            \
+        p = p * r + 8.3334519073e-3f;                                                            \
+        p = p * r + 4.1665795894e-2f;                                                            \
+        p = p * r + 1.6666665459e-1f;                                                            \
+        p = p * r + 5.0000001201e-1f;                                                            \
+        p = p * r * r + r + 1.0f;                                                                \
+        return p * (vf)((n + 127) << 23);      /* 2^n built from its exponent bits */           \
+    }
+#define VSELECT(vi, vf, mask, a, b) ((vf)(((vi)(a) & (mask)) | ((vi)(b) & ~(mask))))
+typedef int32_t vi8 __attribute__((vector_size(32)));
+VMATH_EXP(vexp, vf16, vi16)
+VMATH_EXP(vexp8, vf8, vi8)
 
 /* bfloat16 is the top half of a float32: widening is a shift, exact. */
 typedef uint16_t vu16x16 __attribute__((vector_size(32), aligned(2)));
