@@ -23,7 +23,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from minserve.kernels.build import KernelUnavailable, cpu_flags, load
+from minserve.kernels.build import KernelUnavailable, load
 from minserve.models import gemm
 
 log = logging.getLogger("minserve")
@@ -63,17 +63,8 @@ def prefill_tile_dtype() -> torch.dtype:
         raise ValueError(f"MINSERVE_PREFILL_TILE_DTYPE must be one of {', '.join(TILE_DTYPES)}, "
                          f"got {wanted!r}")
     if not wanted:
-        native = False
-        try:
-            native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and _cpu_has_bf16()
-        except (AttributeError, RuntimeError):
-            pass
-        wanted = "bfloat16" if native else "float32"
+        wanted = "bfloat16" if gemm.native_bf16() else "float32"
     return getattr(torch, wanted)
-
-
-def _cpu_has_bf16() -> bool:
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {   # name: (restype, argtypes), as declared in quant.c

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from minserve.kernels import build as kernel_build
 from minserve.kernels import quant as qk
 from minserve.kernels.quant import int4_linear, int8_linear
+from minserve.models import gemm
 from minserve.quant.formats import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -231,7 +232,6 @@ def test_the_tile_dtype_is_chosen_once_and_can_be_forced(monkeypatch):
             qk.prefill_tile_dtype()
         qk.prefill_tile_dtype.cache_clear()
         monkeypatch.delenv("MINSERVE_PREFILL_TILE_DTYPE")
-        native = torch.ops.mkldnn._is_mkldnn_bf16_supported() and qk._cpu_has_bf16()
-        assert qk.prefill_tile_dtype() is (torch.bfloat16 if native else torch.float32)
+        assert qk.prefill_tile_dtype() is (torch.bfloat16 if gemm.native_bf16() else torch.float32)
     finally:
         qk.prefill_tile_dtype.cache_clear()

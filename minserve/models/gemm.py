@@ -23,6 +23,15 @@ Intel Xeon host (AVX-512, AMX; 2026-12-03), benchmarks/bench_roofline.py's kerne
 ``onednn`` uses oneDNN for every 2-D float32 CPU input; ``auto`` (the default) takes oneDNN except on
 an Intel CPU. A PyTorch without oneDNN (an ARM or a minimal build) falls back to ``F.linear`` by
 itself.
+
+bfloat16 products need bf16 dot products in the CPU (AVX-512 BF16 or AMX) to be fast. Without them
+(an AVX2-only laptop or EPYC) PyTorch emulates them: on the AVX2 EPYC (2026-12-04),
+benchmarks/bench_roofline.py's kernel table gave oneDNN bf16 18-21 GFLOP/s against fp32's
+153-182 at 1024 rows, and a ``dtype="bfloat16"`` engine prefilled at 78 tok/s against fp32's 487
+(benchmarks/bench_vs_vllm.py). There, from ``WIDEN_MIN_ROWS`` input rows on, the weight is widened
+to float32 a tile at a time (exact: a bf16 is the top half of a float32), multiplied by the
+float32 product above, and the output rounded to bf16 once: the arithmetic of a bf16 GEMM (exact
+products, float32 sums, one rounding), summed in another order.
 """
 
 from __future__ import annotations
@@ -34,11 +43,17 @@ import os
 import torch
 import torch.nn.functional as F
 
-from minserve.kernels.build import cpu_info
+from minserve.kernels.build import cpu_flags, cpu_info
 
 log = logging.getLogger("minserve")
 
 BACKENDS = ("auto", "onednn", "torch")
+# From this many rows on, emulated bf16 products go through float32 tiles. On the AVX2 EPYC
+# (2026-12-04, 2 threads; bf16 F.linear / widened, ms): 576 -> 3072 at 4 rows 0.84 / 1.05, 8 rows
+# 1.69 / 1.17, 512 rows 95 / 13.9; the LM head 576 -> 49152 at 4 rows 11.7 / 15.0, 8 rows
+# 23.8 / 15.0, 512 rows 1553 / 293. Below it the widening costs more than the products it speeds.
+WIDEN_MIN_ROWS = 8
+WIDEN_TILE_BYTES = 2 * 1024 * 1024   # float32 weight rows per tile: written, then read back from L2/L3
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,8 +80,41 @@ def backend() -> str:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``: oneDNN for 2-D float32 CPU inputs with a contiguous weight,
     ``F.linear`` for everything else (other dtypes and devices, empty inputs)."""
-    if (x.dtype is torch.float32 and weight.dtype is torch.float32 and x.device.type == "cpu"
-            and x.dim() == 2 and x.shape[0] > 0 and weight.is_contiguous()
-            and backend() == "onednn"):
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] == 0 or not weight.is_contiguous():
+        return F.linear(x, weight, bias)
+    if x.dtype is torch.float32 and weight.dtype is torch.float32 and backend() == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    if (x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.shape[0] >= WIDEN_MIN_ROWS
+            and not native_bf16()):
+        return _widened_bf16(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+@functools.lru_cache(maxsize=None)
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX) and PyTorch's oneDNN
+    uses it; without, bf16 products are emulated (see the module's docstring)."""
+    try:
+        supported = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+    return supported and bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def _widened_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """bf16 ``x @ weight.T + bias`` through float32 tiles of the weight (``WIDEN_TILE_BYTES`` at a
+    time, so the LM head's float32 copy never exists whole). The tile is read back from cache by
+    the product right after it is widened."""
+    out, in_features = weight.shape
+    x32 = x.float()
+    y = torch.empty(x.shape[0], out)
+    rows = max(16, WIDEN_TILE_BYTES // (4 * in_features))
+    tile = torch.empty(min(rows, out), in_features)
+    for r0 in range(0, out, rows):
+        r1 = min(r0 + rows, out)
+        w = tile[: r1 - r0]
+        w.copy_(weight[r0:r1])
+        y[:, r0:r1] = linear(x32, w)
+    if bias is not None:
+        y += bias
+    return y.to(torch.bfloat16)
