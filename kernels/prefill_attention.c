@@ -28,7 +28,7 @@
 
 #define KEY_BLOCK 64      /* keys per block: one row of scores is 4 vectors */
 #define QUERY_BLOCK 32    /* positions per work item */
-#define MR 6              /* rows per register block: 6 x 4 accumulators + 4 loaded vectors */
+#define MR 6              /* rows per register block (product_rows says how many columns) */
 #define MAX_GROUP 16      /* query heads per kv head this file takes */
 
 /* C[rows, 64] = A[rows, K] @ B[K, 64], or C = C * alpha[row] + that (alpha != NULL): the online
