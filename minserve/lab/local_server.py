@@ -107,6 +107,8 @@ class LocalServer:
     def start(self, port: int = 0) -> "LocalServer":
         """Serve on ``port`` (0, the default: one the OS picks)."""
         import uvicorn
+
+        from minserve.engine.threads import release_openmp_pool
         if self.running:
             return self
         sock = socket.socket()
@@ -114,6 +116,7 @@ class LocalServer:
         sock.bind(("127.0.0.1", port))  # 0: the OS picks a free port; held until uvicorn takes it
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="on")
         self._server, self._sock = uvicorn.Server(config), sock
+        release_openmp_pool()   # this (the notebook's) thread's OpenMP pool would slow the engine thread's steps
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="minserve-lab-server", daemon=True)
         self._thread.start()

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from minserve.engine.client import EngineClient
+from minserve.engine.threads import release_openmp_pool
 from minserve.outputs import RequestOutput
 
 log = logging.getLogger("minserve.server")
@@ -142,6 +143,9 @@ class AsyncEngine:
     # ---- called from the HTTP side ------------------------------------------------------------
 
     def start(self) -> None:
+        # The engine was built (and warmed up) on this thread: its OpenMP pool would slow every
+        # step on the engine thread (engine/threads.py, release_openmp_pool).
+        release_openmp_pool()
         self._thread = threading.Thread(target=self._run, name="minserve-engine", daemon=True)
         self._thread.start()
 
