@@ -27,7 +27,7 @@ itself.
 bfloat16 products need bf16 dot products in the CPU (AVX-512 BF16 or AMX) to be fast. Without them
 (an AVX2-only laptop or EPYC) PyTorch emulates them: on the AVX2 EPYC (2026-12-04),
 benchmarks/bench_roofline.py's kernel table gave oneDNN bf16 18-21 GFLOP/s against fp32's
-153-182 at 1024 rows, and a ``dtype="bfloat16"`` engine prefilled at 78 tok/s against fp32's 487
+153-182 at 1024 rows, and a ``dtype="bfloat16"`` engine prefilled at 77 tok/s against fp32's 473
 (benchmarks/bench_vs_vllm.py). There, from ``WIDEN_MIN_ROWS`` input rows on, the weight is widened
 to float32 a tile at a time (exact: a bf16 is the top half of a float32), multiplied by the
 float32 product above, and the output rounded to bf16 once: the arithmetic of a bf16 GEMM (exact
