@@ -225,28 +225,24 @@ def _tiled_linear(x: torch.Tensor, dequantize, bias: torch.Tensor | None, out: i
     The tile is read back from cache by the matmul right after it is written, so the whole float
     matrix (113 MB for SmolLM2's 49152 x 576 LM head) never exists or goes to DRAM.
     """
+    dtype = prefill_tile_dtype()
+    if dtype is torch.float32:
+        return gemm.tiled_linear(x, dequantize, bias, out, in_features, tile_bytes=TILE_BYTES)
+    # bfloat16: x converted once; each tile dequantized in float32, then rounded (see prefill_tile_dtype)
     tile_rows = max(16, TILE_BYTES // (4 * in_features))
     y = torch.empty(x.shape[0], out)
     tile = torch.empty(min(tile_rows, out), in_features)
-    dtype = prefill_tile_dtype()
-    low = dtype is not torch.float32
-    if low:   # x converted once; each tile dequantized in float32, then rounded (see prefill_tile_dtype)
-        xl, tile_l = x.to(dtype), torch.empty(tile.shape, dtype=dtype)
+    xl, tile_l = x.to(dtype), torch.empty(tile.shape, dtype=dtype)
     for r0 in range(0, out, tile_rows):
         r1 = min(r0 + tile_rows, out)
         w = tile[: r1 - r0]
         dequantize(r0, r1, w)
-        b = None if bias is None else bias[r0:r1]
-        if low:
-            wl = tile_l[: r1 - r0]
-            wl.copy_(w)
-            y[:, r0:r1] = F.linear(xl, wl)
-            if b is not None:
-                y[:, r0:r1] += b
-        else:
-            y[:, r0:r1] = gemm.linear(x, w, b)
+        wl = tile_l[: r1 - r0]
+        wl.copy_(w)
+        y[:, r0:r1] = F.linear(xl, wl)
+        if bias is not None:
+            y[:, r0:r1] += bias[r0:r1]
     return y
-
 
 def linear_a8(x: torch.Tensor, bits: int, codes: torch.Tensor, scales: torch.Tensor,
               mins: torch.Tensor | None, group_size: int, bias: torch.Tensor | None = None,

@@ -79,7 +79,8 @@ def backend() -> str:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``: oneDNN for 2-D float32 CPU inputs with a contiguous weight,
-    ``F.linear`` for everything else (other dtypes and devices, empty inputs)."""
+    float32 tiles for bf16 ones of ``WIDEN_MIN_ROWS`` rows or more on a CPU without bf16 dot
+    products, ``F.linear`` for everything else (other dtypes and devices, empty inputs)."""
     if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] == 0 or not weight.is_contiguous():
         return F.linear(x, weight, bias)
     if x.dtype is torch.float32 and weight.dtype is torch.float32 and backend() == "onednn":
@@ -102,19 +103,27 @@ def native_bf16() -> bool:
 
 
 def _widened_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """bf16 ``x @ weight.T + bias`` through float32 tiles of the weight (``WIDEN_TILE_BYTES`` at a
-    time, so the LM head's float32 copy never exists whole). The tile is read back from cache by
-    the product right after it is widened."""
-    out, in_features = weight.shape
-    x32 = x.float()
+    """bf16 ``x @ weight.T + bias`` through float32 tiles of the weight, rounded to bf16 once."""
+    def widen(r0: int, r1: int, tile: torch.Tensor) -> None:
+        tile.copy_(weight[r0:r1])
+    y = tiled_linear(x.float(), widen, None if bias is None else bias.float(), *weight.shape,
+                     tile_bytes=WIDEN_TILE_BYTES)
+    return y.to(torch.bfloat16)
+
+
+def tiled_linear(x: torch.Tensor, fill, bias: torch.Tensor | None, out: int, in_features: int,
+                 *, tile_bytes: int) -> torch.Tensor:
+    """float32 ``x [T, in] @ W.T + bias`` for a weight that exists only in another form: ``fill(r0,
+    r1, tile)`` writes W's rows r0..r1 as float32 into ``tile``, ``tile_bytes`` at a time, and
+    each tile goes through :func:`linear` while it is still in cache. So a float32 copy of the
+    whole matrix (113 MB for SmolLM2's 49152 x 576 LM head) never exists or goes to DRAM.
+    Used for bf16 weights here and for int8 / int4 ones (kernels/quant.py)."""
+    rows = max(16, tile_bytes // (4 * in_features))
     y = torch.empty(x.shape[0], out)
-    rows = max(16, WIDEN_TILE_BYTES // (4 * in_features))
     tile = torch.empty(min(rows, out), in_features)
     for r0 in range(0, out, rows):
         r1 = min(r0 + rows, out)
         w = tile[: r1 - r0]
-        w.copy_(weight[r0:r1])
-        y[:, r0:r1] = linear(x32, w)
-    if bias is not None:
-        y += bias
-    return y.to(torch.bfloat16)
+        fill(r0, r1, w)
+        y[:, r0:r1] = linear(x, w, None if bias is None else bias[r0:r1])
+    return y
