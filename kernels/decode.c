@@ -43,15 +43,17 @@
 
 
 /* A float32 product's register block (dot_rows): weight rows x input rows per pass over a tile.
- * 4 x 6 accumulators + 4 weight vectors + 1 input fill most of AVX-512's 32 registers; elsewhere
- * one weight row and 8 inputs (AVX2 accumulates in 8-float vectors, one ymm each: see dvec below;
- * a larger block there was not measured with them). */
+ * 4 x 6 accumulators + 4 weight vectors + 1 input fill most of AVX-512's 32 registers. Elsewhere
+ * (AVX2: 8-float accumulators, one ymm each, see dvec below) 3 x 4: 12 accumulators + 3 weight
+ * vectors in 16 ymm, each input vector read by the FMA itself, 7 loads per 12 multiply-adds; the
+ * 1 x 8 block before it needed 9 loads per 8 and kept only 8 FMAs in flight, fewer than the FMA
+ * units' latency x throughput (benchmarks/bench_roofline.py's kernel table, docs/performance.md). */
 #if defined(__AVX512F__)
 #define DENSE_ROW_BLOCK 4
 #define DENSE_BATCH_PASS 6
 #else
-#define DENSE_ROW_BLOCK 1
-#define DENSE_BATCH_PASS 8
+#define DENSE_ROW_BLOCK 3
+#define DENSE_BATCH_PASS 4
 #endif
 #define PREFETCH_FLOATS 256   /* software prefetch 1 KiB ahead of the float32 weight stream */
 
@@ -166,9 +168,28 @@ static inline __attribute__((always_inline)) vf8 dvec_weights(const void *w, int
 #define dvec_hsum hsum8
 #endif
 
+/* The rest of the step (attention's dot products and value sums, softmax's exps, SwiGLU) works at
+ * the same width, for the same reason: in 16-float vectors on AVX2, GCC moved every key's dot
+ * product through the stack (perf annotate, AVX2-only EPYC, batch 16 at 300 tokens of context:
+ * attention 59 of a 146 ms step). */
+#if DVEC_LANES == 16
+#define dvec_exp vexp
+#define dvec_int8 int8x16_to_float
+#define dvec_store(p, v) (*(vf16 *)(p) = (v))
+#else
+#define dvec_exp vexp8
+static inline vf8 dvec_int8(const int8_t *p) {   /* 8 int8 codes -> 8 floats */
+    return (vf8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#define dvec_store(p, v) _mm256_storeu_ps((p), (__m256)(v))
+#endif
+
+/* pf: what to prefetch, in bytes past each weight vector as it is read (0: nothing); see
+ * dense_matmul. */
 static inline __attribute__((always_inline)) void
 dot_block(const void *restrict W, int64_t in, int64_t r, const float *restrict x, int64_t ldx,
-          float *restrict y, int64_t ldy, const int rb, const int nb, int accumulate, const int bf16) {
+          float *restrict y, int64_t ldy, const int rb, const int nb, int accumulate, const int bf16,
+          int64_t pf) {
     const int elt = bf16 ? 2 : 4;   /* bytes per weight */
     const char *w = (const char *)W + r * in * elt;
     dvec acc[DENSE_ROW_BLOCK][DENSE_BATCH_PASS];
@@ -178,7 +199,7 @@ dot_block(const void *restrict W, int64_t in, int64_t r, const float *restrict x
     for (; i + DVEC_LANES <= in; i += DVEC_LANES) {
         dvec wv[DENSE_ROW_BLOCK];
         for (int k = 0; k < rb; k++) {
-            __builtin_prefetch(w + (k * in + i + PREFETCH_FLOATS) * elt);
+            if (pf) __builtin_prefetch(w + (k * in + i) * elt + pf);
             wv[k] = dvec_weights(w, k * in + i, bf16);
         }
         for (int b = 0; b < nb; b++) {
@@ -207,11 +228,15 @@ dot_block(const void *restrict W, int64_t in, int64_t r, const float *restrict x
  * reduction of four accumulators instead of four hsum calls (no change). */
 static inline __attribute__((always_inline)) void
 dot_rows(const void *restrict W, int64_t in, int64_t r0, int64_t r1, const float *restrict x,
-         int64_t ldx, float *restrict y, int64_t ldy, const int nb, int accumulate, const int bf16) {
+         int64_t ldx, float *restrict y, int64_t ldy, const int nb, int accumulate, const int bf16, int64_t pf) {
     const int rb = nb > 1 ? DENSE_ROW_BLOCK : 1;
     int64_t r = r0;
-    for (; r + rb <= r1; r += rb) dot_block(W, in, r, x, ldx, y, ldy, rb, nb, accumulate, bf16);
-    for (; r < r1; r++) dot_block(W, in, r, x, ldx, y, ldy, 1, nb, accumulate, bf16);
+    for (; r + rb <= r1; r += rb) dot_block(W, in, r, x, ldx, y, ldy, rb, nb, accumulate, bf16, pf);
+    if (rb > 2 && r + 2 <= r1) {   /* a tile of 16 rows in blocks of 3 leaves 1; 3 x 5 + 1 */
+        dot_block(W, in, r, x, ldx, y, ldy, 2, nb, accumulate, bf16, pf);
+        r += 2;
+    }
+    for (; r < r1; r++) dot_block(W, in, r, x, ldx, y, ldy, 1, nb, accumulate, bf16, pf);
 }
 
 /* y[B, out] = x[B, in] @ W.T (+ bias), or y += that when accumulate (the residual add for free),
@@ -239,9 +264,16 @@ static int64_t dense_matmul(const void *W, const float *bias, const float *x, fl
                 int64_t nb = B - b < DENSE_BATCH_PASS ? B - b : DENSE_BATCH_PASS;
                 const float *xb = x + b * in;
                 float *yb = y + b * out;
+                /* The first pass streams the tile from DRAM (prefetching ahead in its rows); the
+                 * later ones multiply it from cache while DRAM would idle, so the second one
+                 * prefetches the next tile, which the first pass then finds in cache (batch 16,
+                 * AVX2-only EPYC: the step's products 65 -> 59.5 ms). */
+                int64_t elt = bf16 ? 2 : 4, pf = 0;
+                if (b == 0) pf = PREFETCH_FLOATS * elt;
+                else if (b == DENSE_BATCH_PASS && t + 1 < tiles) pf = ROW_TILE * in * elt;
                 /* a constant nb and format per case: the loops unroll into registers */
-#define CASE(n) case n: if (bf16) dot_rows(W, in, r0, r1, xb, in, yb, out, n, accumulate, 1); \
-                        else dot_rows(W, in, r0, r1, xb, in, yb, out, n, accumulate, 0); break;
+#define CASE(n) case n: if (bf16) dot_rows(W, in, r0, r1, xb, in, yb, out, n, accumulate, 1, pf); \
+                        else dot_rows(W, in, r0, r1, xb, in, yb, out, n, accumulate, 0, pf); break;
                 switch (nb) {
                 CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
 #if DENSE_BATCH_PASS > 6
@@ -357,14 +389,14 @@ static void rope(float *v, int64_t heads, int64_t D, const float *cos, const flo
 
 /* In-place exp(x - shift) over n floats; returns their sum. Exported for the tests. */
 float ms_exp_shifted(float *x, int64_t n, float shift) {
-    vf16 acc = (vf16){0};
+    dvec acc = (dvec){0};
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        vf16 e = vexp(*(vf16 *)(x + i) - shift);
-        *(vf16 *)(x + i) = e;
+    for (; i + DVEC_LANES <= n; i += DVEC_LANES) {
+        dvec e = dvec_exp(dvec_load(x + i) - shift);
+        dvec_store(x + i, e);
         acc += e;
     }
-    float sum = hsum(acc);
+    float sum = dvec_hsum(acc);
     for (; i < n; i++) sum += (x[i] = expf(x[i] - shift));
     return sum;
 }
@@ -379,9 +411,9 @@ static void silu_mul(const float *gate_up, float *out, int64_t B, int64_t inter)
         const float *g = gate_up + b * 2 * inter, *u = g + inter;
         float *o = out + b * inter;
         int64_t i = 0;
-        for (; i + 16 <= inter; i += 16) {
-            vf16 gv = *(const vf16 *)(g + i);
-            *(vf16 *)(o + i) = gv / (1.0f + vexp(-gv)) * *(const vf16 *)(u + i);
+        for (; i + DVEC_LANES <= inter; i += DVEC_LANES) {
+            dvec gv = dvec_load(g + i);
+            dvec_store(o + i, gv / (1.0f + dvec_exp(-gv)) * dvec_load(u + i));
         }
         for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }

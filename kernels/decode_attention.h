@@ -5,18 +5,25 @@
  * keep each file readable.
  */
 
+/* Keys and values at the register's width (dvec, decode.c): a key's dot product in two
+ * accumulators, so its multiply-adds form two chains instead of one (64 floats are 8 AVX2 FMAs). */
 static inline float dot(const float *a, const float *b, int64_t n) {
-    vf16 acc = (vf16){0};
+    dvec acc0 = (dvec){0}, acc1 = (dvec){0};
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) acc += *(const vf16 *)(a + i) * *(const vf16 *)(b + i);
-    float s = hsum(acc);
+    for (; i + 2 * DVEC_LANES <= n; i += 2 * DVEC_LANES) {
+        acc0 = dvec_fma(acc0, dvec_load(a + i), dvec_load(b + i));
+        acc1 = dvec_fma(acc1, dvec_load(a + i + DVEC_LANES), dvec_load(b + i + DVEC_LANES));
+    }
+    for (; i + DVEC_LANES <= n; i += DVEC_LANES) acc0 = dvec_fma(acc0, dvec_load(a + i), dvec_load(b + i));
+    float s = dvec_hsum(acc0 + acc1);
     for (; i < n; i++) s += a[i] * b[i];
     return s;
 }
 
 static inline void axpy(float a, const float *x, float *y, int64_t n) {   /* y += a x */
+    const dvec av = (dvec){0} + a;
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) *(vf16 *)(y + i) += a * *(const vf16 *)(x + i);
+    for (; i + DVEC_LANES <= n; i += DVEC_LANES) dvec_store(y + i, dvec_fma(dvec_load(y + i), dvec_load(x + i), av));
     for (; i < n; i++) y[i] += a * x[i];
 }
 
@@ -25,33 +32,37 @@ static inline void axpy(float a, const float *x, float *y, int64_t n) {   /* y +
  * scale_k * (codes . q)) and into the value's softmax weight, so no float copy of the cache exists:
  * attention reads a quarter of fp32's bytes. */
 static inline float dot_i8(const float *q, const int8_t *codes, int64_t n) {
-    vf16 acc = (vf16){0};
+    dvec acc = (dvec){0};
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) acc += int8x16_to_float(codes + i) * *(const vf16 *)(q + i);
-    float s = hsum(acc);
+    for (; i + DVEC_LANES <= n; i += DVEC_LANES) acc = dvec_fma(acc, dvec_int8(codes + i), dvec_load(q + i));
+    float s = dvec_hsum(acc);
     for (; i < n; i++) s += (float)codes[i] * q[i];
     return s;
 }
 
 static inline void axpy_i8(float a, const int8_t *codes, float *y, int64_t n) {   /* y += a codes */
+    const dvec av = (dvec){0} + a;
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) *(vf16 *)(y + i) += a * int8x16_to_float(codes + i);
+    for (; i + DVEC_LANES <= n; i += DVEC_LANES)
+        dvec_store(y + i, dvec_fma(dvec_load(y + i), dvec_int8(codes + i), av));
     for (; i < n; i++) y[i] += a * (float)codes[i];
 }
 
 /* The bfloat16 KV cache (a dtype="bfloat16" engine): the same loops, each element widened. */
 static inline float dot_bf16(const float *q, const uint16_t *k, int64_t n) {
-    vf16 acc = (vf16){0};
+    dvec acc = (dvec){0};
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) acc += bf16x16_to_float(k + i) * *(const vf16 *)(q + i);
-    float s = hsum(acc);
+    for (; i + DVEC_LANES <= n; i += DVEC_LANES) acc = dvec_fma(acc, dvec_weights(k, i, 1), dvec_load(q + i));
+    float s = dvec_hsum(acc);
     for (; i < n; i++) s += bf16_to_float(k[i]) * q[i];
     return s;
 }
 
 static inline void axpy_bf16(float a, const uint16_t *x, float *y, int64_t n) {   /* y += a x */
+    const dvec av = (dvec){0} + a;
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) *(vf16 *)(y + i) += a * bf16x16_to_float(x + i);
+    for (; i + DVEC_LANES <= n; i += DVEC_LANES)
+        dvec_store(y + i, dvec_fma(dvec_load(y + i), dvec_weights(x, i, 1), av));
     for (; i < n; i++) y[i] += a * bf16_to_float(x[i]);
 }
 
