@@ -122,8 +122,10 @@ class VllmEngine:
                "--max-num-seqs", str(args.max_num_seqs),
                "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--seed", str(args.seed)]
         with open(self.log_path, "wb") as log:
+            # cwd: not the repository, whose kernels/ vLLM's helper processes (`python -m`, the
+            # cwd first on their path) would find as Hugging Face's `kernels` package and fail on.
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                         env=env, text=True, start_new_session=True)
+                                         env=env, text=True, start_new_session=True, cwd=log_dir)
         self.info = self._read()
 
     def _read(self) -> dict:
