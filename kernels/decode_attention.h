@@ -1,70 +1,15 @@
-/* Attention of the fused decode step (decode.c) over the paged KV cache, float32 or int8.
+/* Attention of the fused decode step (decode.c) over the paged KV cache: float32, bfloat16 or int8.
  *
  * Included by decode.c after its structs (ModelPtrs, LayerPtrs, Scratch), rope and ms_exp_shifted:
  * every function here but the exported quantizer is static, one translation unit, split only to
  * keep each file readable.
  */
 
-/* Keys and values at the register's width (dvec, decode.c): a key's dot product in two
- * accumulators, so its multiply-adds form two chains instead of one (64 floats are 8 AVX2 FMAs). */
-static inline float dot(const float *a, const float *b, int64_t n) {
-    dvec acc0 = (dvec){0}, acc1 = (dvec){0};
-    int64_t i = 0;
-    for (; i + 2 * DVEC_LANES <= n; i += 2 * DVEC_LANES) {
-        acc0 = dvec_fma(acc0, dvec_load(a + i), dvec_load(b + i));
-        acc1 = dvec_fma(acc1, dvec_load(a + i + DVEC_LANES), dvec_load(b + i + DVEC_LANES));
-    }
-    for (; i + DVEC_LANES <= n; i += DVEC_LANES) acc0 = dvec_fma(acc0, dvec_load(a + i), dvec_load(b + i));
-    float s = dvec_hsum(acc0 + acc1);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-static inline void axpy(float a, const float *x, float *y, int64_t n) {   /* y += a x */
-    const dvec av = (dvec){0} + a;
-    int64_t i = 0;
-    for (; i + DVEC_LANES <= n; i += DVEC_LANES) dvec_store(y + i, dvec_fma(dvec_load(y + i), dvec_load(x + i), av));
-    for (; i < n; i++) y[i] += a * x[i];
-}
-
 /* The int8 KV cache (kv_cache_dtype="int8"): a key or value vector of one kv head is stored as
  * head_dim int8 codes and one float32 scale. Reading folds the scale into the score (k . q =
  * scale_k * (codes . q)) and into the value's softmax weight, so no float copy of the cache exists:
- * attention reads a quarter of fp32's bytes. */
-static inline float dot_i8(const float *q, const int8_t *codes, int64_t n) {
-    dvec acc = (dvec){0};
-    int64_t i = 0;
-    for (; i + DVEC_LANES <= n; i += DVEC_LANES) acc = dvec_fma(acc, dvec_int8(codes + i), dvec_load(q + i));
-    float s = dvec_hsum(acc);
-    for (; i < n; i++) s += (float)codes[i] * q[i];
-    return s;
-}
-
-static inline void axpy_i8(float a, const int8_t *codes, float *y, int64_t n) {   /* y += a codes */
-    const dvec av = (dvec){0} + a;
-    int64_t i = 0;
-    for (; i + DVEC_LANES <= n; i += DVEC_LANES)
-        dvec_store(y + i, dvec_fma(dvec_load(y + i), dvec_int8(codes + i), av));
-    for (; i < n; i++) y[i] += a * (float)codes[i];
-}
-
-/* The bfloat16 KV cache (a dtype="bfloat16" engine): the same loops, each element widened. */
-static inline float dot_bf16(const float *q, const uint16_t *k, int64_t n) {
-    dvec acc = (dvec){0};
-    int64_t i = 0;
-    for (; i + DVEC_LANES <= n; i += DVEC_LANES) acc = dvec_fma(acc, dvec_weights(k, i, 1), dvec_load(q + i));
-    float s = dvec_hsum(acc);
-    for (; i < n; i++) s += bf16_to_float(k[i]) * q[i];
-    return s;
-}
-
-static inline void axpy_bf16(float a, const uint16_t *x, float *y, int64_t n) {   /* y += a x */
-    const dvec av = (dvec){0} + a;
-    int64_t i = 0;
-    for (; i + DVEC_LANES <= n; i += DVEC_LANES)
-        dvec_store(y + i, dvec_fma(dvec_load(y + i), dvec_weights(x, i, 1), av));
-    for (; i < n; i++) y[i] += a * bf16_to_float(x[i]);
-}
+ * attention reads a quarter of fp32's bytes. The bfloat16 cache (a dtype="bfloat16" engine) is
+ * widened element by element as it is read. Both at the register's width (dvec, decode.c). */
 
 static void store_bf16(const float *x, int64_t n, uint16_t *out) {
     for (int64_t i = 0; i < n; i++) out[i] = float_to_bf16(x[i]);
@@ -104,7 +49,7 @@ static void write_kv(const ModelPtrs *m, const LayerPtrs *L, int64_t slot, const
     }
 }
 
-/* Keys ahead whose K and V rows attend() prefetches. A (row, head) walks its keys at a stride of
+/* Keys ahead whose K and V rows attend() prefetches. A (row, kv head) walks its keys at a stride of
  * kv_heads * head_dim (the other kv heads sit between), which the hardware prefetcher follows
  * poorly: SmolLM2-135M, batch 16, context 300, fp32 KV: attention 18.5 -> 15 ms a step (8 and 24
  * keys ahead measure the same). */
@@ -118,50 +63,116 @@ static inline void prefetch_kv(const ModelPtrs *m, const LayerPtrs *L, int64_t e
     }
 }
 
-/* Softmax attention of one query head over n_ctx cached keys/values of one kv head. Tried and not
- * kept (SmolLM2-135M, batch 16, context 300): one work item per (row, kv head, 64 keys) serving
- * the kv head's query heads together, chunks merged flash-decoding style (1.4x slower); the
- * values summed in registers instead of axpy into `out` (no change); the query heads of a kv head
- * walking the keys together, and a row's heads walking each cache block whole (query and value
- * sums in registers, the next block prefetched, no division per key): 32 ms of a one-thread step
- * before, 34-39 ms after (CPU time). Kept: walking the keys with counters instead of dividing
- * t by the block size (33.9 -> 31.5-32.6 ms, same loop otherwise). At batch 16 this part reads 222 MB of fp32 K/V per step
- * (more than int4's weights); kv_cache_dtype="int8" reads 59 MB and takes 18 ms instead of 33
- * (benchmarks/bench_quant.py --profile-clock cpu): fewer bytes helped where reordering did not. */
-static void attend(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t *table,
-                   int64_t n_ctx, int64_t kv_head, float *scores, float *out) {
+/* The query heads that share a kv head (GQA: SmolLM2-135M has 3 per kv head) attend together:
+ * each key and value vector is read once for all of them, not once per head. ATTN_GROUP query
+ * heads at most per pass; a model with more per kv head takes several passes. */
+#define ATTN_GROUP 4
+
+/* Element i.. of a cached K or V vector as floats, in the cache's format (int8: the codes; the
+ * caller applies the vector's scale). fmt and G below are constants at every call. */
+static inline __attribute__((always_inline)) dvec kv_load(const void *v, int64_t i, const int fmt) {
+    if (fmt == KV_INT8) return dvec_int8((const int8_t *)v + i);
+    if (fmt == KV_BF16) return dvec_weights(v, i, 1);
+    return dvec_load((const float *)v + i);
+}
+static inline __attribute__((always_inline)) float kv_elem(const void *v, int64_t i, const int fmt) {
+    if (fmt == KV_INT8) return (float)((const int8_t *)v)[i];
+    if (fmt == KV_BF16) return bf16_to_float(((const uint16_t *)v)[i]);
+    return ((const float *)v)[i];
+}
+
+/* s[h] = q_h . k for the G query heads at q (D floats apart). */
+static inline __attribute__((always_inline)) void
+key_dots(const void *k, const float *q, int64_t D, const int G, const int fmt, float *s) {
+    dvec acc[ATTN_GROUP];
+    for (int h = 0; h < G; h++) acc[h] = (dvec){0};
+    int64_t i = 0;
+    for (; i + DVEC_LANES <= D; i += DVEC_LANES) {
+        dvec kv = kv_load(k, i, fmt);
+        for (int h = 0; h < G; h++) acc[h] = dvec_fma(acc[h], kv, dvec_load(q + h * D + i));
+    }
+    for (int h = 0; h < G; h++) {
+        s[h] = dvec_hsum(acc[h]);
+        for (int64_t j = i; j < D; j++) s[h] += kv_elem(k, j, fmt) * q[h * D + j];
+    }
+}
+
+/* out_h += p[h] v for the G heads' outputs at out (D floats apart). */
+static inline __attribute__((always_inline)) void
+value_sums(const void *v, const float *p, int64_t D, const int G, const int fmt, float *out) {
+    dvec pv[ATTN_GROUP];
+    for (int h = 0; h < G; h++) pv[h] = (dvec){0} + p[h];
+    int64_t i = 0;
+    for (; i + DVEC_LANES <= D; i += DVEC_LANES) {
+        dvec vv = kv_load(v, i, fmt);
+        for (int h = 0; h < G; h++)
+            dvec_store(out + h * D + i, dvec_fma(dvec_load(out + h * D + i), vv, pv[h]));
+    }
+    for (int h = 0; h < G; h++)
+        for (int64_t j = i; j < D; j++) out[h * D + j] += p[h] * kv_elem(v, j, fmt);
+}
+
+/* Softmax attention of G query heads (q: G x D floats) over n_ctx cached keys/values of one kv
+ * head; scores: G rows, sstride floats apart; out: G x D. Key t lives in block table[t / bs] at
+ * offset t % bs: walked with counters (block, offset), not divided out per key (a 64-bit division
+ * costs more than the key's dot product). Tried and not kept (batch 16, context 300, on the
+ * AVX-512 host, one head at a time then): one work item per (row, kv head, 64 keys), chunks merged
+ * flash-decoding style (1.4x slower); the values summed in registers instead of into `out` (no
+ * change). Heads walking the keys together, one read of each vector per group: on the AVX2-only
+ * EPYC attention at batch 16 / 300 tokens went from 42-48 to 27 ms a step (alternating runs). */
+static inline __attribute__((always_inline)) void
+attend_group(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t *table,
+             int64_t n_ctx, int64_t kv_head, float *scores, int64_t sstride, float *out,
+             const int G, const int fmt) {
     int64_t bs = m->block_size, Hkv = m->num_kv_heads, D = m->head_dim;
-    int kv_int8 = m->kv_format == KV_INT8, kv_bf16 = m->kv_format == KV_BF16;
-    float mx = -INFINITY;
-    /* Key t lives in block table[t / bs] at offset t % bs: walked with counters (block, offset),
-     * not divided out per key (a 64-bit division costs more than the key's dot product). */
+    int64_t elt = fmt == KV_INT8 ? 1 : fmt == KV_BF16 ? 2 : 4;
+    const char *kc = (const char *)L->k_cache, *vc = (const char *)L->v_cache;
+    float mx[ATTN_GROUP], s[ATTN_GROUP], inv[ATTN_GROUP];
+    for (int h = 0; h < G; h++) mx[h] = -INFINITY;
     int64_t blk = 0, off = 0, pblk = KV_PREFETCH_KEYS / bs, poff = KV_PREFETCH_KEYS % bs;
     for (int64_t t = 0; t < n_ctx; t++) {
         int64_t e = (table[blk] * bs + off) * Hkv + kv_head;   /* (slot, kv head) entry */
         if (t + KV_PREFETCH_KEYS < n_ctx)
             prefetch_kv(m, L, (table[pblk] * bs + poff) * Hkv + kv_head);
-        float s = kv_int8 ? dot_i8(q, (const int8_t *)L->k_cache + e * D, D) * L->k_scales[e]
-                : kv_bf16 ? dot_bf16(q, (const uint16_t *)L->k_cache + e * D, D)
-                          : dot(q, (const float *)L->k_cache + e * D, D);
-        scores[t] = s * m->scale;
-        mx = scores[t] > mx ? scores[t] : mx;
+        key_dots(kc + e * D * elt, q, D, G, fmt, s);
+        float scale = fmt == KV_INT8 ? m->scale * L->k_scales[e] : m->scale;
+        for (int h = 0; h < G; h++) {
+            float v = scores[h * sstride + t] = s[h] * scale;
+            mx[h] = v > mx[h] ? v : mx[h];
+        }
         if (++off == bs) off = 0, blk++;
         if (++poff == bs) poff = 0, pblk++;
     }
-    float inv = 1.0f / ms_exp_shifted(scores, n_ctx, mx);
-    memset(out, 0, D * sizeof(float));
+    for (int h = 0; h < G; h++) inv[h] = 1.0f / ms_exp_shifted(scores + h * sstride, n_ctx, mx[h]);
+    memset(out, 0, G * D * sizeof(float));
     blk = off = 0;
     for (int64_t t = 0; t < n_ctx; t++) {
         int64_t e = (table[blk] * bs + off) * Hkv + kv_head;
-        if (kv_int8)
-            axpy_i8(scores[t] * L->v_scales[e], (const int8_t *)L->v_cache + e * D, out, D);
-        else if (kv_bf16)
-            axpy_bf16(scores[t], (const uint16_t *)L->v_cache + e * D, out, D);
-        else
-            axpy(scores[t], (const float *)L->v_cache + e * D, out, D);
+        float vs = fmt == KV_INT8 ? L->v_scales[e] : 1.0f;
+        for (int h = 0; h < G; h++) s[h] = scores[h * sstride + t] * vs;
+        value_sums(vc + e * D * elt, s, D, G, fmt, out);
         if (++off == bs) off = 0, blk++;
     }
-    for (int64_t d = 0; d < D; d++) out[d] *= inv;
+    for (int h = 0; h < G; h++)
+        for (int64_t d = 0; d < D; d++) out[h * D + d] *= inv[h];
+}
+
+/* attend_group with its group size and the cache's format as constants. */
+static void attend(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t *table,
+                   int64_t n_ctx, int64_t kv_head, float *scores, int64_t sstride, float *out, int G) {
+#define ATTEND(g, f) attend_group(m, L, q, table, n_ctx, kv_head, scores, sstride, out, g, f)
+#define FORMATS(g) switch (m->kv_format) { \
+        case KV_INT8: ATTEND(g, KV_INT8); break; \
+        case KV_BF16: ATTEND(g, KV_BF16); break; \
+        default: ATTEND(g, KV_F32); }
+    switch (G) {
+    case 1: FORMATS(1) break;
+    case 2: FORMATS(2) break;
+    case 3: FORMATS(3) break;
+    default: FORMATS(ATTN_GROUP)
+    }
+#undef FORMATS
+#undef ATTEND
 }
 
 /* RoPE on q and k, every row's new k/v written to its slot, then every (row, head) attends.
@@ -181,10 +192,15 @@ static void attention_block(const ModelPtrs *m, const LayerPtrs *L, const Scratc
         write_kv(m, L, tables[b * table_stride + pos / bs] * bs + pos % bs, row + H * D,
                  row + (H + Hkv) * D);
     }
-    #pragma omp parallel for schedule(static) num_threads(nthreads)   /* phase 2: reads only */
-    for (int64_t bh = 0; bh < B * H; bh++) {
-        int64_t b = bh / H, h = bh % H;
-        attend(m, L, s->qkv + b * qkv_dim + h * D, tables + b * table_stride, positions[b] + 1,
-               h / (H / Hkv), s->scores + bh * s->scores_stride, s->attn + b * H * D + h * D);
+    /* phase 2, reads only: one work item per (row, kv head, group of its query heads) */
+    int64_t per_kv = H / Hkv, passes = (per_kv + ATTN_GROUP - 1) / ATTN_GROUP;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t item = 0; item < B * Hkv * passes; item++) {
+        int64_t b = item / (Hkv * passes), g = item / passes % Hkv, pass = item % passes;
+        int64_t h = g * per_kv + pass * ATTN_GROUP;   /* the pass's first query head */
+        int G = (int)(per_kv - pass * ATTN_GROUP < ATTN_GROUP ? per_kv - pass * ATTN_GROUP : ATTN_GROUP);
+        attend(m, L, s->qkv + b * qkv_dim + h * D, tables + b * table_stride, positions[b] + 1, g,
+               s->scores + (b * H + h) * s->scores_stride, s->scores_stride,
+               s->attn + b * H * D + h * D, G);
     }
 }

@@ -13,4 +13,7 @@ VARIANTS = {
     # Sizes that are not multiples of 16 floats: every vector loop of the fused kernel has a tail.
     "odd-sizes": {"hidden_size": 72, "intermediate_size": 100, "num_attention_heads": 3,
                   "num_key_value_heads": 1, "head_dim": 24},
+    # Six query heads per kv head: the fused step's attention takes them in two passes (4 + 2), and
+    # a head of 12 floats has a tail on every vector width.
+    "gqa-six-per-kv": {"hidden_size": 72, "num_attention_heads": 6, "num_key_value_heads": 1, "head_dim": 12},
 }
