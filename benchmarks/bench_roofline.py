@@ -10,12 +10,16 @@ ceilings here and then times the three step types that decide a server's behavio
   every thread; the rate PyTorch's own GEMM reaches on a 2048-cube in fp32 and bf16 (what the
   library achieves, cache blocking included); the read bandwidth (the faster of a C loop and
   ``torch.sum`` over 512 MiB). Measured before and after the steps; each ceiling is the higher of
-  the two, and a warning says when they differ by more than 20 %;
+  the two, and a warning says when they differ by more than 20 %. On a CPU without bf16 dot
+  products (no AVX-512 BF16, no AMX) PyTorch emulates bf16 GEMMs at about 1 GFLOP/s (0.7 on the
+  AVX2 EPYC: 24 s for one 2048-cube), so there the bf16 GEMM is not timed and bf16, int8 and int4
+  are held to the fp32 ceiling, the arithmetic they run on there (minserve/models/gemm.py);
 - **prefill**: one prompt of ``--prefill-len`` tokens in one step (the budget allows it);
 - **batch-16 decode**: the median decode step with 16 requests running;
 - **batch-1 decode**: the median decode step of one request;
 - **the kernels by library**: each product of those steps in MKL fp32 (``F.linear``), oneDNN fp32
-  (what minserve's float32 ``Linear`` uses, minserve/models/gemm.py), oneDNN bf16 and, at decode
+  (what minserve's float32 ``Linear`` uses, minserve/models/gemm.py), oneDNN bf16 (where the CPU
+  multiplies bf16 natively; elsewhere minserve's bf16 ``Linear``, float32 tiles) and, at decode
   sizes, minserve's C (the fused step's float32 product, kernels/decode.c, and its bfloat16 one: the
   vector loop and, where the CPU has them, AMX tiles, kernels/amx_bf16.h); the prefill attention
   in PyTorch's CPU flash SDPA and in minserve's C (kernels/prefill_attention.c), in GFLOP/s.
@@ -26,7 +30,8 @@ sampled rows) as GFLOP/s and as a fraction of the fp32 and bf16 ceilings, the by
 and as a fraction of the bandwidth, and the roofline: the least time the step could take at the
 fastest arithmetic its format could use (fp32: fp32 FMA; bf16, int8, int4: the bf16 ceiling, the
 higher of the bf16 dot-product rate and PyTorch's bf16 GEMM, which on an AMX CPU multiplies on the
-tiles) and full bandwidth, over the measured time.
+tiles; the fp32 FMA rate on a CPU without bf16 dot products) and full bandwidth, over the measured
+time.
 
     .venv/bin/python benchmarks/bench_roofline.py                     # fp32, bf16, int8, int4
     .venv/bin/python benchmarks/bench_roofline.py --formats fp32,int4 --runs 5
@@ -119,13 +124,14 @@ def _timed(fn, iters: int) -> float:
 def ceilings() -> dict:
     import torch
 
+    from minserve.models import gemm
     from minserve.plan.probe import measure_bandwidth, measure_matmul
     lib = _ceiling_lib()
     out = {"threads": lib.ms_ceiling_threads()}
     for kind in KINDS:
         out[kind] = instruction_rate(lib, kind)
     out["fp32_gemm_torch"] = measure_matmul(torch.float32)
-    out["bf16_gemm_torch"] = measure_matmul(torch.bfloat16)
+    out["bf16_gemm_torch"] = measure_matmul(torch.bfloat16) if gemm.native_bf16() else None
     out["read_bandwidth_torch"] = measure_bandwidth()
     out["read_bandwidth_c"] = read_bandwidth(lib)
     out["read_bandwidth"] = max(out["read_bandwidth_torch"], out["read_bandwidth_c"])
@@ -199,19 +205,25 @@ def kernel_rates() -> list[dict]:
     import torch
     import torch.nn.functional as F
     from minserve.kernels.prefill_attention import prefill_attention
+    from minserve.models import gemm
     onednn = torch.ops.mkldnn._linear_pointwise
     c_matmul = _c_matmul()
     c_bf16 = {"minserve C bf16, vector": _c_bf16_matmul(False), "minserve C bf16, AMX": _c_bf16_matmul(True)}
+    # Where bf16 is emulated (~1 GFLOP/s), time what a bf16 engine runs there instead: gemm.linear's
+    # float32 tiles.
+    bf16_name, bf16_linear = (("oneDNN bf16", F.linear) if gemm.native_bf16()
+                              else ("bf16 via fp32 tiles", gemm.linear))
     rows = []
     for m, k, n in GEMM_SHAPES:
         x, w = torch.randn(m, k), torch.randn(n, k)
         xb, wb = x.bfloat16(), w.bfloat16()
         flops = 2 * m * k * n
+
         c = flops / _median_time(lambda: c_matmul(x, w)) / 1e9 if c_matmul and m <= 16 else None
         rows.append({"kernel": f"linear {m}x{k} -> {n}",
                      "MKL fp32": flops / _median_time(lambda: F.linear(x, w)) / 1e9,
                      "oneDNN fp32": flops / _median_time(lambda: onednn(x, w, None, "none", [], "")) / 1e9,
-                     "oneDNN bf16": flops / _median_time(lambda: F.linear(xb, wb)) / 1e9,
+                     bf16_name: flops / _median_time(lambda: bf16_linear(xb, wb)) / 1e9,
                      "minserve C": c, "flash SDPA": None,
                      **{name: flops / _median_time(lambda: fn(x, wb)) / 1e9 if fn and m <= 16 else None
                         for name, fn in c_bf16.items()}})
@@ -226,7 +238,7 @@ def kernel_rates() -> list[dict]:
         if prefill_attention(qr, kr, kr, 0.125) is not None:
             c = flops / _median_time(lambda: prefill_attention(qr, kr, kr, 0.125)) / 1e9
         rows.append({"kernel": f"causal attention, 1024 tokens, {str(dtype).replace('torch.', '')}",
-                     "MKL fp32": None, "oneDNN fp32": None, "oneDNN bf16": None, "minserve C": c,
+                     "MKL fp32": None, "oneDNN fp32": None, bf16_name: None, "minserve C": c,
                      "flash SDPA": flops / t / 1e9, **dict.fromkeys(c_bf16)})
     return rows
 
@@ -288,7 +300,11 @@ def measure_steps(fmt: str, args) -> dict:
 def bf16_ceiling(ceil: dict) -> float:
     """The bf16 rate a step could reach here: the dot-product instruction rate (AVX-512 BF16), or
     PyTorch's bf16 GEMM where that is higher: with AMX, oneDNN multiplies on the tiles, several times
-    the vector instruction rate (measured on the Intel Xeon host: 1,691 against 205 GFLOP/s)."""
+    the vector instruction rate (measured on the Intel Xeon host: 1,691 against 205 GFLOP/s).
+    Without bf16 dot products (no AVX-512 BF16, no AMX) the fp32 FMA rate: bf16, int8 and int4
+    products run in float32 tiles there (gemm.linear, kernels/quant.py's prefill_tile_dtype)."""
+    if ceil["bf16_dot"] is None and ceil.get("bf16_gemm_torch") is None:
+        return ceil["fp32_fma"]
     return max(ceil["bf16_dot"] or 0.0, ceil.get("bf16_gemm_torch") or 0.0) or ceil["fp32_fma"]
 
 
@@ -322,7 +338,8 @@ def markdown(ceil: dict, rows: list[dict]) -> str:
         return "n/a" if x is None else f"{x / 1e9:,.0f}"
     lines = [f"Ceilings ({ceil['threads']} threads): fp32 FMA {g(ceil['fp32_fma'])} GFLOP/s, bf16 dot "
              f"{g(ceil['bf16_dot'])} GFLOP/s, int8 dot {g(ceil['int8_dot'])} GOP/s (instruction rates); "
-             f"torch GEMM fp32 {g(ceil['fp32_gemm_torch'])}, bf16 {g(ceil['bf16_gemm_torch'])} GFLOP/s; "
+             f"torch GEMM fp32 {g(ceil['fp32_gemm_torch'])}, bf16 {g(ceil['bf16_gemm_torch'])} GFLOP/s"
+             f"{' (emulated here, not timed)' if ceil['bf16_gemm_torch'] is None else ''}; "
              f"read bandwidth {ceil['read_bandwidth'] / 1e9:.1f} GB/s (C loop "
              f"{ceil['read_bandwidth_c'] / 1e9:.1f}, torch.sum {ceil['read_bandwidth_torch'] / 1e9:.1f})", ""]
     return "\n".join(lines) + (_table(rows) if rows else "")
