@@ -13,7 +13,8 @@ engine produces exactly the requested tokens. Three measurements per engine:
 4. prefill: 1024-token prompts one at a time, one output token each: prompt tokens per second.
 
 Engines: minserve fp32 / bf16 (``dtype="bfloat16"``) / int8 / int4 in this process
-(``EngineConfig.quantization``), vLLM fp32 /
+(``EngineConfig.quantization``), int8-a8 / int4-a8 (W8A8 / W4A8: the same weights with
+``quantization_config={"activations": "int8"}``, integer dot products), vLLM fp32 /
 bf16 each in a long-lived worker subprocess of vLLM's venv (``make vllm-venv``) that holds one
 ``vllm.LLM``. Runs alternate (engine after engine, the order rotated each round) and every figure
 is the median over rounds: a noisy neighbour on a shared 2-core box then hurts all engines alike.
@@ -42,7 +43,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ENGINES = ("minserve-fp32", "minserve-bf16", "minserve-int8", "minserve-int4", "vllm-fp32", "vllm-bf16")
+ENGINES = ("minserve-fp32", "minserve-bf16", "minserve-int8", "minserve-int4", "minserve-int8-a8",
+           "minserve-int4-a8", "vllm-fp32", "vllm-bf16")
 # Engine pairs the issue's targets compare (minserve, its peer), and every metric measured.
 MATCHED = (("minserve-fp32", "vllm-fp32"), ("minserve-bf16", "vllm-bf16"))
 METRICS = ("mixed_tok_s", "decode_tok_s", "decode16_tok_s", "prefill_tok_s")
@@ -154,14 +156,16 @@ class VllmEngine:
 
 
 class MinserveEngine:
-    def __init__(self, name: str, quantization: str | None, args, dtype: str = "float32"):
+    def __init__(self, name: str, quantization: str | None, args, dtype: str = "float32",
+                 quantization_config: dict | None = None):
         from minserve import LLM
         self.name = name
-        self.llm = LLM("smollm2-135m", quantization=quantization, dtype=dtype, max_num_seqs=args.max_num_seqs,
+        self.llm = LLM("smollm2-135m", quantization=quantization, quantization_config=quantization_config,
+                       dtype=dtype, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, kv_cache_memory=f"{args.kv_cache_gib}GiB",
                        enable_prefix_caching=False, seed=args.seed)
-        self.info = {"quantization": quantization, "dtype": dtype}
+        self.info = {"quantization": quantization, "dtype": dtype, "quantization_config": quantization_config}
 
     def run(self, prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, list[list[int]]]:
         from minserve import SamplingParams
@@ -180,6 +184,8 @@ def make_engine(name: str, args, model_dir: Path, log_dir: Path):
         return VllmEngine(name, {"fp32": "float32", "bf16": "bfloat16"}[fmt], args, model_dir, log_dir)
     if fmt == "bf16":
         return MinserveEngine(name, None, args, dtype="bfloat16")
+    if fmt.endswith("-a8"):
+        return MinserveEngine(name, fmt[:-3], args, quantization_config={"activations": "int8"})
     return MinserveEngine(name, None if fmt == "fp32" else fmt, args)
 
 
@@ -251,7 +257,7 @@ def markdown(res: dict) -> str:
 
 def ratios(engines: dict) -> dict:
     """The issue's comparisons, per round's medians: each matched pair, and minserve's best row
-    against vLLM's best (every minserve row here passes `minserve eval`: fp32, bf16, int8, int4)."""
+    against vLLM's best (the rows' `minserve eval` verdicts: docs/engine/quality-gate.md)."""
     out = {}
     for mine, peer in MATCHED:
         if mine in engines and peer in engines:

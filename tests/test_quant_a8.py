@@ -77,7 +77,7 @@ def test_the_quantizer_is_the_reference_in_each_order():
 
 @pytest.mark.parametrize("out,inn,g", [(37, 64, 32), (100, 576, 64), (49, 256, 128), (16, 1536, 32),
                                        (1, 128, 128)])
-@pytest.mark.parametrize("batch", [1, 3, 9, 17])
+@pytest.mark.parametrize("batch", [1, 3, 9, 17, 40])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_c_loops_match_the_reference(out, inn, g, batch, with_bias):
     w, x, bias = _case(out, inn, batch, seed=out + inn + batch)
@@ -126,21 +126,25 @@ def test_refuses_widths_that_do_not_divide_into_blocks():
         qk.linear_a8(x, 2, codes, scales, None, 0)
 
 
-def test_builds_without_vnni_compute_the_same(tmp_path, monkeypatch):
-    """The plain loops (any CPU without AVX-512 VNNI) give the same results."""
+@pytest.mark.parametrize("march,isa", [("x86-64-v3", "avx2"), ("x86-64", "portable")])
+def test_builds_without_vnni_compute_the_same(tmp_path, monkeypatch, march, isa):
+    """The AVX2 loops (vpmaddubsw) and the plain ones (any other CPU) give the same results, for
+    every input count the AVX2 tiles split differently (one chunk, a chunk and a tail, a tile
+    with a partial second half of 8 rows)."""
     if "avx2" not in kernel_build._cpu_signature().split():
         pytest.skip("this CPU cannot run an x86-64-v3 build")
-    flags = [f for f in kernel_build.FLAGS if not f.startswith("-march")] + ["-march=x86-64-v3"]
-    so = tmp_path / "libquant-v3.so"
+    flags = [f for f in kernel_build.FLAGS if not f.startswith("-march")] + [f"-march={march}"]
+    so = tmp_path / f"libquant-{march}.so"
     done = subprocess.run([kernel_build._compiler(), *flags, str(kernel_build.SOURCE_DIR / "quant.c"),
                            "-o", str(so), "-lm"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     lib = qk.with_signatures(ctypes.CDLL(str(so)))
-    assert lib.ms_a8_isa().decode() == "portable"
+    assert lib.ms_a8_isa().decode() == isa
     monkeypatch.setattr(qk, "_lib", lambda: lib)
-    w, x, bias = _case(33, 256, 5, seed=11)
-    for y, ref in _both(x, w, 64, bias):
-        _assert_close(y, ref)
+    for out, batch in ((33, 5), (29, 70)):
+        w, x, bias = _case(out, 256, batch, seed=11 + batch)
+        for y, ref in _both(x, w, 64, bias):
+            _assert_close(y, ref)
 
 
 # ---- layers, schemes, config --------------------------------------------------------------------
