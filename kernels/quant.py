@@ -40,7 +40,13 @@ log = logging.getLogger("minserve")
 # parallel region per call instead of two per tile; from 256 rows the tiles win by 5-35 %.
 # (At batch 16 the fused loop is 1.3-1.5x faster than the tiles.)
 PREFILL_MIN_ROWS = 256
-TILE_BYTES = 2 * 1024 * 1024   # float32 rows per tile: written by the dequantizer, read back from L2/L3
+# float32 rows per tile: written by the dequantizer, read back by the GEMM. 8 MiB holds every one of
+# SmolLM2's matrices but the LM head in one tile, whose product is then the output (no copy of
+# column slices). On the AVX2 EPYC (2026-12-05, a 1024-token int4 prefill, alternating with fp32,
+# ms): 2 MiB tiles 4454-4553 against fp32's 4148-4150 (0.91-0.93x); 8 MiB 4373-4641 against
+# 4162-4341 (0.94-0.95x): the dequantization left, ~170 ms, is what separates them.
+TILE_BYTES = 8 * 1024 * 1024
+BF16_TILE_BYTES = 2 * 1024 * 1024   # bf16 tiles (measured on AMX hosts at this size): kept in L2
 PATHS = ("auto", "fused", "dequant")
 TILE_DTYPES = ("bfloat16", "float32")
 
@@ -104,7 +110,7 @@ def kernel_isa() -> str | None:
 
 
 def a8_isa() -> str | None:
-    """Which int8-activation loops quant.c compiled ("avx512-vnni" or "portable"), or None."""
+    """Which int8-activation loops quant.c compiled ("avx512-vnni", "avx2" or "portable"), or None."""
     lib = _lib()
     return lib.ms_a8_isa().decode() if lib is not None else None
 
@@ -222,14 +228,14 @@ def _tiled_linear(x: torch.Tensor, dequantize, bias: torch.Tensor | None, out: i
     """Prefill: dequantize TILE_BYTES of weight rows at a time, multiply each tile with a GEMM
     (in :func:`prefill_tile_dtype`).
 
-    The tile is read back from cache by the matmul right after it is written, so the whole float
-    matrix (113 MB for SmolLM2's 49152 x 576 LM head) never exists or goes to DRAM.
+    The tile is read back by the matmul right after it is written, so the whole float matrix
+    (113 MB for SmolLM2's 49152 x 576 LM head) never exists at once.
     """
     dtype = prefill_tile_dtype()
     if dtype is torch.float32:
         return gemm.tiled_linear(x, dequantize, bias, out, in_features, tile_bytes=TILE_BYTES)
     # bfloat16: x converted once; each tile dequantized in float32, then rounded (see prefill_tile_dtype)
-    tile_rows = max(16, TILE_BYTES // (4 * in_features))
+    tile_rows = max(16, min(TILE_BYTES, BF16_TILE_BYTES) // (4 * in_features))
     y = torch.empty(x.shape[0], out)
     tile = torch.empty(min(tile_rows, out), in_features)
     xl, tile_l = x.to(dtype), torch.empty(tile.shape, dtype=dtype)

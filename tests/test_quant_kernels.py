@@ -90,8 +90,9 @@ def test_leading_dimensions_empty_batch_and_non_contiguous_input():
     assert_matches(int4_linear(xt, packed, s4, m4, 32), xt, dequantize_int4(packed, s4, m4, 32), None)
 
 
-def test_tiled_path_covers_every_row(monkeypatch):
-    monkeypatch.setattr(qk, "TILE_BYTES", 16 * 4 * 96)   # 16 rows a tile: 33 = 16 + 16 + 1
+@pytest.mark.parametrize("tile_rows", [16, 33, 64])   # 33 = 16 + 16 + 1; one tile, exact and roomy
+def test_tiled_path_covers_every_row(monkeypatch, tile_rows):
+    monkeypatch.setattr(qk, "TILE_BYTES", tile_rows * 4 * 96)
     w, x, bias = _case(33, 96, 5, seed=8)
     codes, scales = quantize_int8(w)
     packed, s4, m4 = quantize_int4(w, 32)

@@ -119,6 +119,10 @@ def tiled_linear(x: torch.Tensor, fill, bias: torch.Tensor | None, out: int, in_
     whole matrix (113 MB for SmolLM2's 49152 x 576 LM head) never exists or goes to DRAM.
     Used for bf16 weights here and for int8 / int4 ones (kernels/quant.py)."""
     rows = max(16, tile_bytes // (4 * in_features))
+    if rows >= out:   # one tile holds the whole matrix: the product's own output, no copy
+        tile = torch.empty(out, in_features)
+        fill(0, out, tile)
+        return linear(x, tile, bias)
     y = torch.empty(x.shape[0], out)
     tile = torch.empty(min(rows, out), in_features)
     for r0 in range(0, out, rows):
