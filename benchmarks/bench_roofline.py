@@ -30,10 +30,12 @@ sampled rows) as GFLOP/s and as a fraction of the fp32 and bf16 ceilings, the by
 and as a fraction of the bandwidth, and the roofline: the least time the step could take at the
 fastest arithmetic its format could use (fp32: fp32 FMA; bf16, int8, int4: the bf16 ceiling, the
 higher of the bf16 dot-product rate and PyTorch's bf16 GEMM, which on an AMX CPU multiplies on the
-tiles; the fp32 FMA rate on a CPU without bf16 dot products) and full bandwidth, over the measured
-time.
+tiles; the fp32 FMA rate on a CPU without bf16 dot products; int8-a8, int4-a8 (int8 activations):
+the int8 dot-product rate, VNNI's or AVX2's vpmaddubsw) and full bandwidth, over the measured
+time. (The a8 formats run only their products in integers: attention and the rest stay fp32, so
+their rooflines are optimistic.)
 
-    .venv/bin/python benchmarks/bench_roofline.py                     # fp32, bf16, int8, int4
+    .venv/bin/python benchmarks/bench_roofline.py                     # every format
     .venv/bin/python benchmarks/bench_roofline.py --formats fp32,int4 --runs 5
     .venv/bin/python benchmarks/bench_roofline.py --ceilings-only
 
@@ -52,8 +54,11 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+A8 = {"activations": "int8"}
 FORMATS = {"fp32": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"},
-           "int4": {"quantization": "int4"}}
+           "int4": {"quantization": "int4"},
+           "int8-a8": {"quantization": "int8", "quantization_config": A8},   # W8A8: int8 dot products
+           "int4-a8": {"quantization": "int4", "quantization_config": A8}}   # W4A8
 KINDS = {"fp32_fma": 0, "bf16_dot": 1, "int8_dot": 2}
 
 
@@ -315,7 +320,8 @@ def step_rows(fmt: str, m: dict, ceil: dict, args) -> list[dict]:
     # The fastest arithmetic the format's float activations can use here: bf16 products for
     # everything but fp32 itself (a quantized weight is expanded before the product).
     bf16 = bf16_ceiling(ceil)
-    rate = ceil["fp32_fma"] if fmt == "fp32" else bf16
+    rate = (ceil["fp32_fma"] if fmt == "fp32" else
+            (ceil["int8_dot"] or ceil["fp32_fma"]) if fmt.endswith("-a8") else bf16)
     ctx = 64 + 16   # the decode runs: 64-token prompts, the median step about 16 tokens in
     shapes = {"prefill": budget.prefill(cfg, w, kv, args.prefill_len, bw, rate),
               "decode, batch 16": budget.decode_step(cfg, w, kv, 16, ctx, bw, rate),

@@ -50,9 +50,26 @@ def test_fp32_kernel_runs_the_recurrence_it_counts(lib):
     assert got == pytest.approx(want, rel=1e-5)
 
 
-def test_int8_kernel_counts_four_products_per_lane(lib):
-    if lib.ms_ceiling_ops_per_iter(KINDS["int8_dot"]) < 0:
-        pytest.skip("no AVX-512 VNNI on this CPU")
+def _maddubs_chain(iters: int) -> int:
+    """sum over the ACC chains of acc_k <- vpmaddubsw(acc_k as bytes, 2), acc_k starting as bytes k."""
+    total = 0
+    for k in range(ACC):
+        acc = np.full(32, k, dtype=np.uint8)
+        for _ in range(iters):   # unsigned byte pairs times 2, summed into little-endian int16s
+            acc = ((acc[0::2].astype(np.int16) + acc[1::2]) * 2).view(np.uint8)
+        total += int(acc.view(np.int16).sum())
+    return total
+
+
+def test_int8_kernel_counts_its_products(lib):
+    per_iter = lib.ms_ceiling_ops_per_iter(KINDS["int8_dot"])
+    if per_iter < 0:
+        pytest.skip("neither AVX-512 VNNI nor AVX2 on this CPU")
+    if per_iter == ACC * 16 * 4:   # AVX2: 16 int16 lanes x 2 products, the sums fed back as bytes
+        iters = 50
+        assert lib.ms_ceiling_int8(iters) == lib.ms_ceiling_threads() * _maddubs_chain(iters)
+        return
+    assert per_iter == ACC * 16 * 8
     # Each dpbusd adds 4 products of 1 * -1 to every 32-bit lane: acc_k = k - 4 * iters.
     iters = 1000
     want = lib.ms_ceiling_threads() * 16 * sum(k - 4 * iters for k in range(ACC))
