@@ -10,6 +10,7 @@ int4 is timed with g32 and with g128 (g64 where 128 does not divide in_features,
     .venv/bin/python benchmarks/bench_quant_kernels.py --hot       # the same, weights hot in cache
     .venv/bin/python benchmarks/bench_quant_kernels.py --prefill   # fused C vs dequant+torch, B=16..512
     .venv/bin/python benchmarks/bench_quant_kernels.py --exactness # what each format keeps of SmolLM2's weights
+    .venv/bin/python benchmarks/bench_quant_kernels.py --a8        # int8 activations vs fp32, GFLOP/s
 
 Medians of single calls (timed_ms says why); the host is shared, so compare ratios from one run,
 and run it on a quiet machine (the load average is printed first): with one busy neighbour on
@@ -120,6 +121,35 @@ def prefill_table(batches: list[int]) -> None:
                 print(f"| {out}x{inn} | {batch} | {name} | {fp32_ms:.2f} | {fused:.2f} | {deq:.2f} |")
 
 
+def a8_table(batches: list[int], rounds: int = 15) -> None:
+    """GFLOP/s (2 x batch x in x out over the time) of the int8-activation loops (W4A8 g32, W8A8)
+    beside the float products the engine would otherwise run: minserve/models/gemm.py's float32
+    linear (oneDNN on AMD, MKL on Intel) and W4A16 g32 (kernels/quant.py's auto path). The calls
+    alternate within each round and every figure is a median over rounds, so a noisy neighbour
+    hurts all columns alike."""
+    from minserve.kernels.quant import a8_isa, linear_a8
+    from minserve.models import gemm
+    print(f"int8-activation loops: {a8_isa()}")
+    print("| shape [out x in] | batch | fp32 linear | W4A16 g32 | W4A8 g32 | W8A8 | W4A8 / fp32 |")
+    print("|---|---|---|---|---|---|---|")
+    for (out, inn), batch in itertools.product(SHAPES[:2], batches):
+        g = torch.Generator().manual_seed(out + batch)
+        w, x = torch.randn(out, inn, generator=g), torch.randn(batch, inn, generator=g)
+        p4, c8 = quantize_int4(w, 32), quantize_int8(w)
+        fns = [lambda: gemm.linear(x, w), lambda: int4_linear(x, *p4, 32),
+               lambda: linear_a8(x, 4, *p4, 32), lambda: linear_a8(x, 8, *c8, None, 0)]
+        times: list[list[float]] = [[] for _ in fns]
+        for fn in fns:
+            fn()
+        for _ in range(rounds):
+            for fn, ts in zip(fns, times):
+                t = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t)
+        rate = [2 * batch * inn * out / statistics.median(ts) / 1e9 for ts in times]
+        print(f"| {out}x{inn} | {batch} | " + " | ".join(f"{r:.1f}" for r in rate) + f" | {rate[2] / rate[0]:.2f} |")
+
+
 def exactness() -> None:
     """How much of the cached SmolLM2-135M weights (GGUF Q4_1, dequantized) each format reproduces."""
     from safetensors import safe_open
@@ -152,6 +182,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prefill", action="store_true")
     ap.add_argument("--exactness", action="store_true")
+    ap.add_argument("--a8", action="store_true", help="int8 activations against the float products")
     ap.add_argument("--hot", action="store_true", help="reuse one copy of each matrix (cache-resident)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
     args = ap.parse_args()
@@ -162,6 +193,8 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     if args.exactness:
         exactness()
+    elif args.a8:
+        a8_table([1, 16, 256, 1024])
     elif args.prefill:
         prefill_table([16, 32, 64, 96, 128, 256, 512])
     else:
