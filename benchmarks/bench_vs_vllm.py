@@ -255,14 +255,19 @@ def markdown(res: dict) -> str:
     return "\n".join(rows)
 
 
+# Rows whose format fails `minserve eval` on SmolLM2 (docs/engine/quality-gate.md: weight-only int8
+# misses exact match by one question of 64): timed and shown, but never "minserve's best".
+GATE_FAILS = ("minserve-int8",)
+
+
 def ratios(engines: dict) -> dict:
     """The issue's comparisons, per round's medians: each matched pair, and minserve's best row
-    against vLLM's best (the rows' `minserve eval` verdicts: docs/engine/quality-gate.md)."""
+    that passes the quality gate against vLLM's best."""
     out = {}
     for mine, peer in MATCHED:
         if mine in engines and peer in engines:
             out[f"{mine} / {peer}"] = {m: engines[mine][m] / engines[peer][m] for m in METRICS}
-    ours = [n for n in engines if n.startswith("minserve")]
+    ours = [n for n in engines if n.startswith("minserve") and n not in GATE_FAILS]
     theirs = [n for n in engines if n.startswith("vllm")]
     if ours and theirs:
         out["best minserve / best vLLM"] = {m: max(engines[n][m] for n in ours) / max(engines[n][m] for n in theirs)
