@@ -315,7 +315,8 @@ int8_a8_tile(const QWeight *w, int64_t r0, int64_t r1, Activations8 act, float *
 #define A8_RUNTIME_BATCH   /* qmatmul_a8 hands the tiles every input at once */
 /* Inputs per pass over 8 rows: their partial sums live on the stack, their codes (32 x in bytes)
  * stay in L1/L2 while the rows meet them. A scratch timing of 1024 x 576 -> 1536 on the AVX2 EPYC
- * (2 threads, GFLOP/s): 16 inputs 59.5, 32 73.1, 64 71.7, 128 60.1. */
+ * (2 threads, GFLOP/s, oneDNN's fp32 product in the same run in brackets): 16 inputs 59.5 (60.2),
+ * 32 73.1 (70.4), 64 71.7 (69.0); 128, in an earlier run while the host was slower, 60.1 (46.2). */
 #define A8_INPUT_CHUNK 32
 
 typedef int32_t unaligned_i32 __attribute__((may_alias, aligned(1)));
