@@ -313,11 +313,12 @@ int8_a8_tile(const QWeight *w, int64_t r0, int64_t r1, Activations8 act, float *
  * Prefill has hundreds of inputs per weight row: the 8 rows of a block are unpacked once and meet
  * up to A8_INPUT_CHUNK inputs, whose partial sums wait in a small stack buffer. */
 #define A8_RUNTIME_BATCH   /* qmatmul_a8 hands the tiles every input at once */
-/* Inputs per pass over 8 rows: their partial sums live on the stack, their codes (32 x in bytes)
- * stay in L1/L2 while the rows meet them. A scratch timing of 1024 x 576 -> 1536 on the AVX2 EPYC
- * (2 threads, GFLOP/s, oneDNN's fp32 product in the same run in brackets): 16 inputs 59.5 (60.2),
- * 32 73.1 (70.4), 64 71.7 (69.0); 128, in an earlier run while the host was slower, 60.1 (46.2). */
-#define A8_INPUT_CHUNK 32
+/* Inputs per pass over 8 rows (their partial sums live on the stack: 8 KiB): the more inputs meet
+ * a block's unpacked weights, the less the unpacking costs. Scratch builds of this file at each
+ * size, called alternately (1024 x 576 -> 1536 on the AVX2 EPYC, 2 threads, GFLOP/s; oneDNN's fp32
+ * product 70.0-71.7 in the same runs): 16 inputs 70.0, 32 72.6-74.4, 64 76.9-77.8, 128 76.9-78.8,
+ * 256 78.4-79.3, 512 78.4. */
+#define A8_INPUT_CHUNK 256
 
 typedef int32_t unaligned_i32 __attribute__((may_alias, aligned(1)));
 static inline __m256i bcast4(const int8_t *p) { return _mm256_set1_epi32(*(const unaligned_i32 *)p); }
