@@ -21,11 +21,12 @@ static inline vf16 vselect(vi16 mask, vf16 a, vf16 b) {
     static inline vf name(vf x) {                                                                \
         x = VSELECT(vi, vf, x > 88.0f, (vf){0} + 88.0f, x);                                      \
         x = VSELECT(vi, vf, x < -87.0f, (vf){0} - 87.0f, x);                                     \
-        vf t = x * 1.44269504088896341f + 0.5f;                                                  \
-        vi n = __builtin_convertvector(t, vi);                                                   \
-        vf nf = __builtin_convertvector(n, vf);                                                  \
-        n += (vi)(nf > t);              /* truncation rounded a negative t up: floor it (-1) */ \
-        nf = __builtin_convertvector(n, vf);                                                     \
+        /* n = x / ln 2 rounded to the nearest integer: adding 1.5 * 2^23 leaves it in the low \
+         * mantissa bits (|x / ln 2| < 2^22 after the clamps), read back as float and as int:  \
+         * two operations where floor by conversion took five. */                               \
+        vf t = x * 1.44269504088896341f + 12582912.0f;                                           \
+        vf nf = t - 12582912.0f;                                                                 \
+        vi n = (vi)t - 0x4B400000;                                                               \
         vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;                                      \
         vf p = (vf){0} + 1.9875691500e-4f;                                                       \
         p = p * r + 1.3981999507e-3f;                                                            \
