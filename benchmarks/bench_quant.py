@@ -138,12 +138,31 @@ def decode_tok_s(llm: LLM, prompts: list[list[int]], steps: int) -> float:
     return rate
 
 
+def fill_kv_blocks(runner, blocks: int, seed: int = 0) -> None:
+    """Write values into KV blocks 0 .. blocks - 1 of every layer (keys, values, int8 scales).
+    Why: pages of the cache that were never written all map to the kernel's one zero page, so a
+    step over them reads from cache, not DRAM, and its attention looks faster than over a real
+    context (batch 16 at 300 tokens on the AVX2 EPYC: 25-27 ms against 29.9; docs/performance.md)."""
+    g = torch.Generator().manual_seed(seed)
+    for layer in runner.kv_caches:   # (k, v) or, for an int8 cache, (k, v, k_scales, v_scales)
+        for t in layer[:2]:
+            part = t[:blocks]
+            if part.dtype == torch.int8:
+                part.copy_(torch.randint(-127, 128, part.shape, generator=g, dtype=torch.int8))
+            else:
+                part.copy_(torch.randn(part.shape, generator=g).to(part.dtype))
+        for t in layer[2:]:
+            t[:blocks].copy_(torch.rand(t[:blocks].shape, generator=g) * 0.02)
+
+
 def step_parts(llm: LLM, batch: int, context: int, steps: int, clock: str = "wall") -> dict:
     """Per-part ms of one fused step of ``batch`` rows at ``context`` (median of ``steps``): wall
-    time, or with ``clock="cpu"`` the CPU time of a one-thread step."""
+    time, or with ``clock="cpu"`` the CPU time of a one-thread step. The rows' context blocks hold
+    written values (fill_kv_blocks), so attention reads them from memory as a real step does."""
     runner = llm.llm_engine.runner
     dec, bs = runner.fused, runner.block_size
     per = context // bs + 1
+    fill_kv_blocks(runner, batch * per)
     tables = torch.tensor([list(range(i * per, (i + 1) * per)) for i in range(batch)])
     args = torch.full((batch,), 5), torch.full((batch,), context), tables, torch.arange(batch)
     threads = 1 if clock == "cpu" else 0   # 0: the engine's default team

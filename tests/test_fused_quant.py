@@ -11,6 +11,8 @@ writes it, bit for bit, and read with the scales folded into scores and values.
 import ctypes
 import re
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -374,3 +376,18 @@ def test_step_profile_splits_a_step_into_parts(model_dirs):
         assert parts["weights"] + parts["lm_head"] + parts["attention"] <= parts["step"] * 1.0001, parts
     with pytest.raises(ValueError, match="clock must be one of"):
         dec.step_profile("gpu")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_the_profiled_step_reads_written_blocks(model_dirs, kv_cache_dtype):
+    """benchmarks/bench_quant.py's fill_kv_blocks: the blocks a profiled step reads hold values
+    (pages never written read as one cached zero page), and nothing past them is touched."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_quant import fill_kv_blocks
+    runner = _runner(model_dirs["llama"], kv_cache_dtype=kv_cache_dtype, blocks=8)
+    fill_kv_blocks(runner, 3)
+    for layer in runner.kv_caches:
+        for t in layer[:2]:
+            assert t[:3].count_nonzero() > 0.9 * t[:3].numel() and not t[3:].any()
+        for t in layer[2:]:
+            assert (t[:3] > 0).all() and not t[3:].any()
