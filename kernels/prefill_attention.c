@@ -116,7 +116,6 @@ typedef vi16 sivec;
 #define svsum hsum
 #endif
 #define SLANES ((int)(sizeof(svec) / sizeof(float)))
-typedef int32_t vi4 __attribute__((vector_size(16)));
 #define SVECS (KEY_BLOCK / SLANES)   /* vectors in one row of scores */
 
 /* The largest lane: halves folded onto each other (unions, not shuffles: any GCC or clang). */

@@ -39,6 +39,7 @@ static inline vf16 vselect(vi16 mask, vf16 a, vf16 b) {
     }
 #define VSELECT(vi, vf, mask, a, b) ((vf)(((vi)(a) & (mask)) | ((vi)(b) & ~(mask))))
 typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef int32_t vi4 __attribute__((vector_size(16)));
 VMATH_EXP(vexp, vf16, vi16)
 VMATH_EXP(vexp8, vf8, vi8)
 
