@@ -320,10 +320,11 @@ class AsyncEngine:
             self.engine.abort_request(rid)
             where = ("while it ran (or waited, preempted, to run again)" if sink.started
                      else "while it still waited for a seat in the engine")
-            sink.put(RequestFailed(f"deadline exceeded: the deadline (x-deadline-ms / deadline_ms) "
-                                   f"passed {where}, so it was aborted", 504, "deadline_exceeded"))
+            # Counted before the client is told: whoever reads the metrics after the 504 sees it.
             if sink.on_expired is not None:
                 _guarded(sink.on_expired)
+            sink.put(RequestFailed(f"deadline exceeded: the deadline (x-deadline-ms / deadline_ms) "
+                                   f"passed {where}, so it was aborted", 504, "deadline_exceeded"))
 
     def _publish_work(self) -> None:
         """Report the running work to the deadline model (admission.py, deadlines.py)."""
