@@ -74,8 +74,8 @@ except ImportError:
 # Prefix caching is off in this lab: it repeats prompts, and every run must pay their full
 # prefill (lab 04 turns caching on and measures what it saves). Everything else is the preset's.
 # The lab's sizes, one value per preset (see each section):
-prompt_lens = P.pick(quick=[16, 64, 256, 512, 768], full=[64, 1024, 2048, 4096, 8000])
-batches = P.pick(quick=[1, 2, 4, 8, 16], full=[1, 4, 16, 64])
+prompt_lens = P.pick(quick=[16, 64, 256, 512, 768], full=[64, 1024, 2048, 4096, 8000], smoke=[16, 128, 512])
+batches = P.pick(quick=[1, 2, 4, 8, 16], full=[1, 4, 16, 64], smoke=[1, 4, 16])
 # A fresh engine pays for the first use of each shape (measured: a first 300-token prefill 3.8 s,
 # the next 0.9 s). engine_for warms up the prompt lengths and decode batches measured below.
 llm = lab.engine_for(P, enable_prefix_caching=False, warm_prompts=sorted({*prompt_lens, 32}),
@@ -175,7 +175,7 @@ q1.check(prefill_tok_per_s)
 # would stay flat. Look where this machine sits.
 
 # %%
-out_len = P.pick(quick=32, full=64)
+out_len = P.pick(quick=32, full=64, smoke=16)
 batch_runs = {}                      # the last run of each batch size (its records feed exercise 2)
 
 
@@ -415,8 +415,8 @@ q5.check(steps_queued)
 # by a few slow requests, describes neither. The CDF shows where the two runs part.
 
 # %%
-n_mix = P.pick(quick=12, full=60)
-rag_len = P.pick(quick=512, full=4096)
+n_mix = P.pick(quick=12, full=60, smoke=8)
+rag_len = P.pick(quick=512, full=4096, smoke=256)
 # One RAG prompt in 4 requests; its prefill takes about rag_len * b seconds (b: section 1's slope).
 # Aim for RAG prefill busy about a third of the time: rate = 4 * (1/3) / (rag_len * b), capped at
 # 50 req/s. (At half the time, half the short questions meet a RAG prefill and the median moves

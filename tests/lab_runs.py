@@ -2,7 +2,9 @@
 
 Shared by tests/test_lab_target.py (a real ``minserve serve``) and tests/test_vllm_peer.py (a real
 vLLM): the lab runs top to bottom with ``MINSERVE_LAB_TARGET`` and ``MINSERVE_LAB_API_KEY`` set and
-``MINSERVE_LAB_CI=1``, as ``make test`` runs notebooks. Every cell marked ``# needs the engine:``
+``MINSERVE_LAB_CI=1``, as ``make test`` runs notebooks, in the ``smoke`` preset
+(minserve/lab/presets.py): the notebooks' own run (labs/, ``quick``) proves each lab at the
+learner's sizes; here every cell runs again through the target, on fewer points. Every cell marked ``# needs the engine:``
 must print its one skip line and nothing else; every other cell must run, the lab's lessons must be
 judged on what the server measured, its baseline file written, and its run summary printed last.
 """
@@ -13,17 +15,19 @@ import os
 from pathlib import Path
 
 from minserve.lab import target as tg
+from minserve.lab.presets import PRESET_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_LABS = ("01_prefill_vs_decode", "02_continuous_batching", "07_overload_and_goodput")
 
 
-def run_lab(name: str, base: str, results: Path, api_key: str | None = None):
+def run_lab(name: str, base: str, results: Path, api_key: str | None = None, preset: str = "smoke"):
     """Execute ``labs/{name}.py`` in a fresh kernel against ``base``; returns the executed notebook
     (nbclient raises on any cell's error)."""
     import jupytext
     import nbclient
-    env = {tg.TARGET_ENV: base, "MINSERVE_LAB_CI": "1", "MINSERVE_LAB_RESULTS": str(results)}
+    env = {tg.TARGET_ENV: base, "MINSERVE_LAB_CI": "1", "MINSERVE_LAB_RESULTS": str(results),
+           PRESET_ENV: preset}
     if api_key:
         env[tg.API_KEY_ENV] = api_key
     old = {k: os.environ.get(k) for k in (*env, tg.API_KEY_ENV)}
@@ -71,4 +75,5 @@ def check_server_run(name: str, nb, base: str, results: Path, baseline: bool = T
     assert bool(judged) == lessons, f"{name} judged {len(judged)} lessons against {base}"
     assert (results / f"{name[:2]}.json").exists() == baseline
     assert f"Lab {name[:2]} ran in" in stream_text(ran[-1])
+    assert "(smoke preset)" in stream_text(ran[-1])   # run_lab's preset reached the kernel
     return judged

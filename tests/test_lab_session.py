@@ -30,10 +30,18 @@ def test_presets_pick_and_validate(monkeypatch):
     assert quick.device in ("cpu", "cuda") and quick.engine_kwargs()["device"] == quick.device
     assert quick.engine_kwargs(max_num_seqs=3, num_kv_blocks=None)["max_num_seqs"] == 3
     assert quick.engine_kwargs(num_kv_blocks=None)["num_kv_blocks"] == 256  # None keeps the preset's
+    assert quick.pick(quick=1, full=2, smoke=0) == 1   # a smoke size never leaks into quick
     monkeypatch.setenv(PRESET_ENV, "FULL")
     assert lab.get_preset().pick(quick=1, full=2) == 2
+    assert lab.get_preset().pick(quick=1, full=2, smoke=0) == 2
+    monkeypatch.setenv(PRESET_ENV, "smoke")
+    smoke = lab.get_preset()
+    # Its own size where a lab gives one (0 and [] count: only None means "not given"), else quick's.
+    assert smoke.pick(quick=1, full=2, smoke=0) == 0 and smoke.pick(quick=1, full=2, smoke=[]) == []
+    assert smoke.pick(quick=1, full=2) == 1
+    assert smoke.engine_args == quick.engine_args   # the same engine: only the workloads shrink
     monkeypatch.setenv(PRESET_ENV, "huge")
-    with pytest.raises(ValueError, match="MINSERVE_LAB_PRESET must be one of quick, full"):
+    with pytest.raises(ValueError, match="MINSERVE_LAB_PRESET must be one of quick, full, smoke"):
         lab.get_preset()
 
 

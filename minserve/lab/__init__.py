@@ -12,7 +12,7 @@ Typical lab cell sequence::
     lab.correlation_grid(run)                         # what latency moves with
     lab.record_baseline("01", run.key_numbers())      # labs/results/01.json
 
-Modules: :mod:`~minserve.lab.presets` (quick | full, CI flag), :mod:`~minserve.lab.session`
+Modules: :mod:`~minserve.lab.presets` (quick | full | smoke, CI flag), :mod:`~minserve.lab.session`
 (setup, one engine at a time), :mod:`~minserve.lab.target` (the engine here, or a server:
 ``MINSERVE_LAB_TARGET``, ``lab.needs_engine``), :mod:`~minserve.lab.workload` (requests, runs, RunResult),
 :mod:`~minserve.lab.live` (in-place figure and progress), :mod:`~minserve.lab.timeline`,
