@@ -216,3 +216,20 @@ def test_bench_client_sends_openai_api_key(server, monkeypatch):
     res = asyncio.run(run_http(target, reqs, BenchOptions(max_concurrency=1), tok, 0.05))
     assert res.summary["completed"] == 2
     assert len(res.server_metrics) >= 2  # /metrics polled as admin (it needs an admin key)
+
+
+
+def test_a_stream_gives_its_quota_back_before_its_last_event(server):
+    """A client with a quota of one may send its next request as soon as it has read a stream's
+    ``[DONE]``: the seat is back by then, not only once the server has finished sending the
+    response (which a client cannot see; a next request overtaking it got 429 'tenant_quota')."""
+    adm = server.st.admission
+    with httpx.Client(base_url=server.base, timeout=60,
+                      headers={"Authorization": "Bearer sk-acme-1"}) as client:
+        for _ in range(40):
+            with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2,
+                                                                 "stream": True}) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                next(ln for ln in lines if ln == "data: [DONE]")
+                assert adm.inflight("acme") == 0   # read at once: before the response has ended

@@ -166,6 +166,10 @@ async def next_item(q: asyncio.Queue, st: ServerState, request: Request | None =
 
 
 async def _stream(outputs: _Outputs, p: Prepared, st: ServerState, flight: _Flight):
+    """The events of one stream. The flight is closed (its admission seats released, what is left
+    of it aborted) before the last event is written: a client that reads ``[DONE]`` and sends its
+    next request at once finds its tenant's seat free. _SSEResponse closes it again (a no-op) or,
+    when the client left first, for the first time."""
     fmt = StreamFormatter(p, st.engine.tokenizer)
     try:
         while not all(flight.finished):
@@ -175,17 +179,21 @@ async def _stream(outputs: _Outputs, p: Prepared, st: ServerState, flight: _Flig
                 # vLLM's convention: an error event, then the end marker so clients stop reading.
                 # One failed prompt of a batch ends the stream; close() aborts the others.
                 yield fmt.error(item.status, item.message, item.code)
+                flight.close()
                 yield sse("[DONE]")
                 return
             for chunk in fmt.delta(item, i):
                 yield chunk
             if item.finished:
                 flight.finished[i] = True
-        for chunk in fmt.end():
+        tail = fmt.end()
+        flight.close()
+        for chunk in tail:
             yield chunk
     except Exception as e:  # a bug formatting this one stream: tell its client, spare the rest
         log.exception("stream %s failed", p.request_id)
         yield fmt.error(500, f"internal error while streaming: {type(e).__name__}: {e}")
+        flight.close()
         yield sse("[DONE]")
 
 
