@@ -4,9 +4,10 @@ Shared by tests/test_lab_target.py (a real ``minserve serve``) and tests/test_vl
 vLLM): the lab runs top to bottom with ``MINSERVE_LAB_TARGET`` and ``MINSERVE_LAB_API_KEY`` set and
 ``MINSERVE_LAB_CI=1``, as ``make test`` runs notebooks, in the ``smoke`` preset
 (minserve/lab/presets.py): the notebooks' own run (labs/, ``quick``) proves each lab at the
-learner's sizes; here every cell runs again through the target, on fewer points. Every cell marked ``# needs the engine:``
-must print its one skip line and nothing else; every other cell must run, the lab's lessons must be
-judged on what the server measured, its baseline file written, and its run summary printed last.
+learner's sizes; here every cell runs again through the target, on fewer points. Every cell
+marked ``# needs the engine:`` must print its one skip line and nothing else; every other cell
+must run, the lab's lessons must be judged on what the server measured, its baseline file
+written, and its run summary printed last.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ Every lab sizes its experiments through one preset, picked by the environment va
 
 A lab states its sizes where it uses them, one value per preset, e.g.
 ``P.pick(quick=[32, 256, 1024], full=[64, 1024, 8192])``: the reader sees both, and the preset
-chooses; ``smoke=`` is given only where it saves time. The device follows the engine's own rule (CUDA when available, else CPU).
+chooses; ``smoke=`` is given only where it saves time. The device follows the engine's own rule
+(CUDA when available, else CPU).
 
 ``MINSERVE_LAB_CI=1`` (set by ``make test``) marks an unattended run: answer checks that nobody
 answered verify the reference solution against this run's measurements instead (see
