@@ -75,15 +75,13 @@ labs-sync: venv
 # no-op after that; the tests add 1-2.5 min). Elsewhere `make test WITH_VLLM=1` opts in; without the
 # venv those tests skip, naming `make vllm-venv`. A failed setup fails CI rather than skip silently.
 #
-# TEST_LAYOUT=two (the default) runs two pytest processes side by side, through tests/run_suite.py:
-# the ten notebooks in one and the rest of tests/ in the other, each at one thread, so that each has a
-# core (NOTEBOOK_THREADS=2 gives the notebooks two; beside the tests that ran lab 09 4x slower). Alone, each takes about half of a one-process run and neither keeps both cores busy
-# (a quiet one-process run on a slow host, 2026-12-02: 82 min wall for 114 min of CPU, 40 of them the
-# notebooks); side by side each fills the other's idle core. TEST_LAYOUT=one runs everything in one
-# process, in turn. PYTEST_ARGS go to each pytest (e.g. PYTEST_ARGS="-x --durations=20").
-# Not pytest-xdist: with --dist loadfile two workers may each take a notebook (measured 2026-12-02:
-# 9+ min each, at one thread on a shared machine), and with --dist loadgroup it ran a notebook's
-# cells out of order across kernel restarts (149 NameErrors).
+# TEST_LAYOUT=two (the default) runs the suite through tests/run_suite.py: two workers, one per core,
+# each running one pytest process at a time at one thread (NOTEBOOK_THREADS=2 gives notebooks two),
+# take its parts (each notebook, each test file that takes minutes alone, the rest of tests/) by how
+# much work waits on each; a notebook that reads another lab's baseline starts after that lab. Each
+# part's output is in build/test-logs/. TEST_LAYOUT=one runs everything in one process, in turn.
+# PYTEST_ARGS go to each pytest (e.g. PYTEST_ARGS="-x --durations=20"). Not pytest-xdist: with
+# --dist loadgroup it ran a notebook's cells out of order across kernel restarts (149 NameErrors).
 WITH_VLLM ?= $(CI)
 TEST_LAYOUT ?= two
 PYTEST_ARGS ?=

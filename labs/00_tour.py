@@ -85,10 +85,11 @@ else:
 # The keyword arguments size the engine: at most `max_num_seqs` requests per batch, at most
 # `max_num_batched_tokens` tokens per step, KV cache in blocks of `block_size` tokens.
 #
-# A fresh engine is slow the first time it sees each shape of work (memory to allocate, thread
-# teams to start): on a 2-core CPU a first 300-token prefill took 3.8 s and the next one 0.9 s.
-# So the cell also **warms the engine up**: `lab.warm` runs, unmeasured, the prompt lengths and
-# batch sizes this tour times, and the tour leaves those warm-up requests out of its tables.
+# A fresh engine can be slow the first time it sees a shape of work (kernels to build for it,
+# memory to allocate, thread teams to start): on one 2-core CPU a first 300-token prefill took
+# 3.8 s and the next one 0.9 s; on another the first run cost at most 0.1 s more. So the cell also
+# **warms the engine up**: `lab.warm` runs each prompt length and batch size this tour times once,
+# unmeasured, and the tour leaves those warm-up requests out of its tables.
 
 # %%
 t0 = time.perf_counter()

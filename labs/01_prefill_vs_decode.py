@@ -76,8 +76,9 @@ except ImportError:
 # The lab's sizes, one value per preset (see each section):
 prompt_lens = P.pick(quick=[16, 64, 256, 512, 768], full=[64, 1024, 2048, 4096, 8000], smoke=[16, 128, 512])
 batches = P.pick(quick=[1, 2, 4, 8, 16], full=[1, 4, 16, 64], smoke=[1, 4, 16])
-# A fresh engine pays for the first use of each shape (measured: a first 300-token prefill 3.8 s,
-# the next 0.9 s). engine_for warms up the prompt lengths and decode batches measured below.
+# A fresh engine can pay for the first use of each shape (measured on one host: a first 300-token
+# prefill 3.8 s, the next 0.9 s; on another, 0.1 s more at most). engine_for runs each prompt
+# length and decode batch measured below once, unmeasured.
 llm = lab.engine_for(P, enable_prefix_caching=False, warm_prompts=sorted({*prompt_lens, 32}),
                      warm_batches=batches)
 tok = llm.get_tokenizer()

@@ -11,7 +11,7 @@ import torch
 logging.getLogger("minserve").setLevel(logging.ERROR)
 
 # A test process told to take one thread (MINSERVE_TEST_THREADS=1: tests/run_suite.py, which
-# `make test` runs, sets it for tests/ while the notebooks run beside them) or an xdist worker (one
+# `make test` runs, sets it for the parts of tests/ while another part runs beside them) or an xdist worker (one
 # per core) takes one: two processes at PyTorch's default of two threads each would ask four threads
 # of two cores, and OpenMP teams that wait on a descheduled thread run many times slower.
 # The environment variable carries the limit into what a test starts (servers, notebook kernels);

@@ -1,55 +1,91 @@
 """Run the whole suite — tests/ and every notebook in labs/ — the way `make test` does.
 
-    python tests/run_suite.py                 # two pytest processes side by side (the default)
+    python tests/run_suite.py                 # two workers share the parts (the default)
     python tests/run_suite.py --layout one    # one pytest process, everything in turn
     python tests/run_suite.py -- -x -k lab    # anything after -- goes to each pytest
-    python tests/run_suite.py -- tests/test_api.py labs/00_tour.ipynb   # just these, side by side
+    python tests/run_suite.py -- tests/test_api.py labs/00_tour.ipynb   # just these
 
-Why two processes: the ten notebooks (executed by nbval) and the rest of tests/ take about the
-same time alone, and neither keeps both cores busy — a notebook waits on its kernel and on HTTP
-between steps, most unit tests run one thread. Side by side each fills the other's idle core.
-pytest-xdist cannot split the work this way: with ``--dist loadfile`` two workers may each take a
-notebook (both then run on a contended machine at one thread), and with ``--dist loadgroup`` it ran
-a notebook's cells out of order (measured 2026-12-02, 149 NameErrors).
+How the work is shared: the suite is cut into parts — each notebook, each test file that takes
+minutes on its own (``SLOW_FILES``), and the rest of tests/ — and two workers each run one pytest
+process at a time, taking the part that the most work waits on: its own expected time plus the
+longest chain of notebooks that read its results (lab 05 reads lab 01's and lab 03's baselines,
+``lab.load_baseline``, so it starts only when they are done). Expected times are the last run's
+(``build/test-logs/durations.json``), else ``TYPICAL_S``. Both cores stay busy until the end
+whatever the mix: with vLLM's tests (CI) or without them the heavy half differs, and a fixed split
+(the notebooks in one process, tests/ in the other, until 2026-12-05) left one core idle for the
+last 8 minutes of a run without vLLM. Not pytest-xdist: with ``--dist loadgroup`` it ran a
+notebook's cells out of order (measured 2026-12-02, 149 NameErrors), and it cannot keep the
+notebook kernels at one thread while the tests ask for their own.
 
-Each side runs one thread, so that each has a core of its own: the unit tests through
+Each part runs at one thread, so that each has a core of its own: tests through
 ``MINSERVE_TEST_THREADS=1`` (tests/conftest.py; a test that wants a team of two asks for it), the
 notebooks' kernels through ``OMP_NUM_THREADS=1`` (``NOTEBOOK_THREADS`` overrides it). A team of
 two beside a busy process is the slow case on two cores: an OpenMP region ends when its
-descheduled thread does, and prefill steps keep the full team (the adaptive thread count,
-minserve/engine/threads.py, covers decode steps). Measured 2026-12-03 on the Intel host, lab 09
-alone: 24 s quiet at two threads; beside a busy loop 110 s at two threads, 31 s at one.
+descheduled thread does. Measured 2026-12-03 on the Intel host, lab 09 alone: 24 s quiet at two
+threads; beside a busy loop 110 s at two threads, 31 s at one.
 
-The unit tests print to the terminal as they run; the notebooks' output goes to
-``build/test-logs/notebooks.log`` and its summary (all of it, when a notebook failed) is printed
-when both have finished. The exit status is non-zero when either failed.
+Each part's output goes to ``build/test-logs/<part>.log``; the terminal gets a line as each part
+starts and ends, then the whole failure report of every part that failed. The exit status is
+non-zero when any part failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = ROOT / "build" / "test-logs"
+TIMES = LOGS / "durations.json"
+WORKERS = 2
+NO_TESTS = 5   # pytest's exit status when nothing was selected: not a failure of that part
+
+# Test files that take minutes alone (a whole lab against a server, a browser, the docs site):
+# each is a part of its own, so the two workers can share them.
+SLOW_FILES = ("tests/test_vllm_peer.py", "tests/test_lab_target.py", "tests/test_docs.py",
+              "tests/test_browser.py")
+# Seconds each part took at one thread on the AVX2 host (2026-12-05, with vLLM): they only order
+# the queue on a first run (a fresh clone, CI); later runs order it by their own last times.
+TYPICAL_S = {"tests": 1100, "tests/test_vllm_peer.py": 500, "labs/08_optimization_lab.ipynb": 360,
+             "tests/test_lab_target.py": 330, "labs/01_prefill_vs_decode.ipynb": 290,
+             "labs/05_quantization.ipynb": 230, "labs/06_speculative_decoding.ipynb": 220,
+             "labs/02_continuous_batching.ipynb": 200, "labs/07_overload_and_goodput.ipynb": 150,
+             "tests/test_docs.py": 135, "tests/test_browser.py": 110,
+             "labs/04_prefix_caching.ipynb": 110, "labs/09_release_gates.ipynb": 60,
+             "labs/00_tour.ipynb": 50, "labs/03_kv_cache_detective.ipynb": 45}
+
+
+@dataclass
+class Part:
+    """One pytest process: its paths and options, whether it runs notebooks, and how it went."""
+
+    name: str
+    args: list[str]
+    notebook: bool = False
+    after: set[str] = field(default_factory=set)   # parts whose results this one reads
+    rc: int | None = None
+    seconds: float = 0.0
+    summary: str = ""
+    log: Path = field(init=False)
+
+    def __post_init__(self):
+        self.log = LOGS / (re.sub(r"[^A-Za-z0-9_.-]+", "_", self.name).strip("_") + ".log")
+
+    @property
+    def failed(self) -> bool:
+        return self.rc not in (0, NO_TESTS)
 
 
 def pytest_cmd(paths: list[str], extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-q", *paths, "--nbval-lax",
-            *extra]
-
-
-def notebook_summary(log: Path, failed: bool) -> str:
-    """The notebooks' log: whole when they failed, else its last (summary) line."""
-    text = log.read_text(errors="replace")
-    if failed:
-        return text
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    return lines[-1] if lines else "(no output)"
+    return [sys.executable, "-m", "pytest", "-q", *paths, "--nbval-lax", *extra]
 
 
 def split_paths(extra: list[str]) -> tuple[list[str], list[str], list[str]]:
@@ -65,40 +101,138 @@ def split_paths(extra: list[str]) -> tuple[list[str], list[str], list[str]]:
     return tests, labs, rest
 
 
-def run_one(paths: list[str], extra: list[str], env: dict[str, str]) -> int:
-    return subprocess.call(pytest_cmd(paths, extra), cwd=ROOT, env=env)
+def make_parts(tests: list[str], labs: list[str]) -> list[Part]:
+    """The parts of a run. No paths: the rest of tests/, each slow file, each notebook. Paths
+    given: the test paths together (one process), each notebook on its own (a folder of
+    notebooks: each one in it)."""
+    if not (tests or labs):
+        slow = [f for f in SLOW_FILES if (ROOT / f).exists()]
+        parts = [Part("tests", ["tests", *(f"--ignore={f}" for f in slow)])]
+        parts += [Part(f, [f]) for f in slow]
+        labs = ["labs"]
+    else:
+        parts = [Part(" ".join(tests), tests)] if tests else []
+    notebooks: list[str] = []
+    for path in labs:
+        p = ROOT / path
+        notebooks += ([str(n.relative_to(ROOT)) for n in sorted(p.glob("[0-9][0-9]_*.ipynb"))]
+                      if p.is_dir() else [path])
+    by_lab = {Path(n).name[:2]: n for n in notebooks}
+    return parts + [Part(n, [n], notebook=True, after={by_lab[d] for d in reads(n) if d in by_lab})
+                    for n in notebooks]
 
 
-def run_two(tests: list[str], labs: list[str], extra: list[str], env: dict[str, str]) -> int:
-    LOGS.mkdir(parents=True, exist_ok=True)
-    log = LOGS / "notebooks.log"
+def reads(notebook: str) -> set[str]:
+    """The labs whose baselines a notebook loads (``lab.load_baseline("01")`` in its source)."""
+    source = (ROOT / notebook).with_suffix(".py")
+    text = source.read_text() if source.exists() else (ROOT / notebook).read_text()
+    return set(re.findall(r"""load_baseline\(\s*["'](\d\d)["']""", text)) - {Path(notebook).name[:2]}
+
+
+def priorities(parts: list[Part]) -> dict[str, float]:
+    """Each part's expected seconds plus the longest chain of parts that wait on it."""
+    try:
+        last = json.loads(TIMES.read_text())
+    except (OSError, ValueError):
+        last = {}
+    own = {p.name: float(last.get(p.name, TYPICAL_S.get(p.name, 60))) for p in parts}
+    waiting = {p.name: [q.name for q in parts if p.name in q.after] for p in parts}
+    rank: dict[str, float] = {}
+
+    def rank_of(name: str) -> float:
+        if name not in rank:
+            rank[name] = own[name] + max((rank_of(w) for w in waiting[name]), default=0.0)
+        return rank[name]
+    return {p.name: rank_of(p.name) for p in parts}
+
+
+def part_threads(part: Part) -> dict[str, str]:
+    """The environment that keeps a part at one thread (the notebooks': NOTEBOOK_THREADS)."""
+    if part.notebook:
+        return {"OMP_NUM_THREADS": os.environ.get("NOTEBOOK_THREADS") or "1"}
+    return {"MINSERVE_TEST_THREADS": "1"}
+
+
+def run_part(part: Part, extra: list[str], env: dict[str, str]) -> None:
     start = time.monotonic()
-    with open(log, "w") as out:
-        threads = os.environ.get("NOTEBOOK_THREADS") or "1"
-        notebooks = subprocess.Popen(pytest_cmd(labs, extra), cwd=ROOT,
-                                     env={**env, "OMP_NUM_THREADS": threads},
-                                     stdout=out, stderr=subprocess.STDOUT)
-        print(f"notebooks (labs/) run beside the tests; their output: {log.relative_to(ROOT)}",
-              flush=True)
-        try:
-            tests_rc = subprocess.call(pytest_cmd(tests, extra), cwd=ROOT,
-                                       env={**env, "MINSERVE_TEST_THREADS": "1"})
-            tests_done = time.monotonic() - start
-            if notebooks.poll() is None:
-                print(f"tests/ done in {tests_done / 60:.1f} min; waiting for the notebooks...",
-                      flush=True)
-            notebooks_rc = notebooks.wait()
-        except KeyboardInterrupt:
-            notebooks.terminate()
-            notebooks.wait()
-            raise
-    total = time.monotonic() - start
-    print(f"\n==== notebooks (labs/), {log.relative_to(ROOT)} ====")
-    print(notebook_summary(log, failed=notebooks_rc != 0))
-    verdict = "passed" if tests_rc == notebooks_rc == 0 else "FAILED"
-    print(f"==== suite {verdict} in {total / 60:.1f} min: tests/ exit {tests_rc}, "
-          f"notebooks exit {notebooks_rc} ====", flush=True)
-    return tests_rc or notebooks_rc
+    with open(part.log, "w") as out:
+        part.rc = subprocess.call(pytest_cmd(part.args, extra), cwd=ROOT,
+                                  env={**env, **part_threads(part)}, stdout=out,
+                                  stderr=subprocess.STDOUT)
+    part.seconds = time.monotonic() - start
+    lines = [ln.strip(" =") for ln in part.log.read_text(errors="replace").splitlines() if ln.strip()]
+    part.summary = lines[-1] if lines else "(no output)"
+
+
+def failure_report(part: Part) -> str:
+    """A failed part's log from pytest's FAILURES (or ERRORS) section on; else its last 150 lines."""
+    lines = part.log.read_text(errors="replace").splitlines()
+    first = next((i for i, ln in enumerate(lines) if re.match(r"^=+ (FAILURES|ERRORS) =+$", ln)), None)
+    return "\n".join(lines[first:] if first is not None else lines[-150:])
+
+
+def run_shared(parts: list[Part], extra: list[str], env: dict[str, str], workers: int) -> int:
+    LOGS.mkdir(parents=True, exist_ok=True)
+    rank = priorities(parts)
+    pending = sorted(parts, key=lambda p: -rank[p.name])
+    finished: set[str] = set()
+    done: list[Part] = []
+    changed, start = threading.Condition(), time.monotonic()
+    print(f"suite: {len(parts)} parts, {workers} workers at one thread each; each part's output "
+          f"is in {LOGS.relative_to(ROOT)}/", flush=True)
+
+    def next_part() -> Part | None:
+        """The first pending part whose inputs are done (waits for one); None when none is left."""
+        with changed:
+            while pending:
+                ready = [p for p in pending if p.after <= finished]
+                if ready:
+                    pending.remove(ready[0])
+                    return ready[0]
+                changed.wait()
+            return None
+
+    def worker() -> None:
+        while (part := next_part()) is not None:
+            run_part(part, extra, env)
+            with changed:
+                done.append(part)
+                finished.add(part.name)
+                verdict = "FAILED" if part.failed else "passed"
+                print(f"[{len(done):2d}/{len(parts)}] {verdict} {part.name} in "
+                      f"{part.seconds / 60:.1f} min: {part.summary}", flush=True)
+                changed.notify_all()
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    save_times(done)
+    return report(done, time.monotonic() - start)
+
+
+def save_times(parts: list[Part]) -> None:
+    try:
+        times = json.loads(TIMES.read_text())
+    except (OSError, ValueError):
+        times = {}
+    times.update({p.name: round(p.seconds, 1) for p in parts if p.rc == 0})
+    TIMES.write_text(json.dumps(times, indent=1, sort_keys=True))
+
+
+def report(parts: list[Part], total_s: float) -> int:
+    failed = [p for p in parts if p.failed]
+    for p in failed:
+        print(f"\n==== {p.name} FAILED (exit {p.rc}), {p.log.relative_to(ROOT)} ====")
+        print(failure_report(p))
+    verdict = "FAILED" if failed else "passed"
+    names = ", ".join(p.name for p in failed)
+    print(f"==== suite {verdict} in {total_s / 60:.1f} min: {len(parts)} parts, "
+          f"{len(failed)} failed{': ' + names if failed else ''} ====", flush=True)
+    if failed:
+        return 1
+    return NO_TESTS if all(p.rc == NO_TESTS for p in parts) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,17 +242,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layout", choices=("two", "one"),
                     default=os.environ.get("TEST_LAYOUT") or "two",
-                    help="two processes side by side (default) or one (TEST_LAYOUT)")
+                    help="two workers sharing the parts (default) or one process (TEST_LAYOUT)")
     args = ap.parse_args(own)
     env = {**os.environ, "MINSERVE_LAB_CI": "1"}
-    # Paths after -- select what runs (each to its side); none: every test and every notebook.
-    # One side only leaves nothing to run beside it: one process.
     tests, labs, extra = split_paths(extra)
-    if not (tests or labs):
-        tests, labs = ["tests"], ["labs"]
-    if args.layout == "one" or not (tests and labs):
-        return run_one(tests + labs, extra, env)
-    return run_two(tests, labs, extra, env)
+    if args.layout == "one":
+        paths = tests + labs or ["tests", "labs"]
+        return subprocess.call(pytest_cmd(paths, extra), cwd=ROOT, env=env)
+    parts = make_parts(tests, labs)
+    if len(parts) == 1:   # nothing to share: one process, printing as it runs
+        return subprocess.call(pytest_cmd(parts[0].args, extra), cwd=ROOT,
+                               env={**env, **part_threads(parts[0])})
+    return run_shared(parts, extra, env, workers=min(WORKERS, len(parts)))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ the load probe sees other processes and not this one, calibrations repeat until 
 when they are not, a lesson that does not show names the measured cause, warm-up runs the shapes."""
 
 import subprocess
+from collections import Counter
 import sys
 import time
 
@@ -95,11 +96,16 @@ def test_summary_counts_this_runs_lessons(tmp_path, capsys):
 
 def test_warm_runs_each_prompt_shape_and_batch(tiny_llm):
     eng = tiny_llm.llm_engine
-    before = eng.num_steps
+    before, seen = eng.num_steps, set(eng.requests_frame().request_id)
     w = hygiene.warm(tiny_llm, prompt_tokens=[8, 200, 10_000], batch_sizes=[1, 4, 999])
     assert w.prompt_tokens[:2] == [8, 200] and w.prompt_tokens[-1] < eng.max_model_len
     assert w.batch_sizes == [1, 4, eng.config.max_num_seqs]
     assert eng.num_steps > before and not eng.has_unfinished_requests()
+    # One request per prompt length (a first run is the warm-up; hygiene.warm says why), then
+    # one per sequence of each decode batch.
+    ran = eng.requests_frame().loc[lambda f: ~f.request_id.isin(seen)]
+    decode_seqs = 1 + 4 + eng.config.max_num_seqs
+    assert Counter(ran.prompt_tokens) == Counter(w.prompt_tokens) + Counter({8: decode_seqs})
 
 
 def test_a_counting_lesson_never_blames_the_load(tmp_path):

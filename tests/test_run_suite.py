@@ -1,7 +1,12 @@
-"""tests/run_suite.py (what `make test` runs): which arguments after ``--`` are paths, and where
-each path goes (the notebooks' process or the tests')."""
+"""tests/run_suite.py (what `make test` runs): which arguments after ``--`` are paths, how the suite
+is cut into parts, which notebooks wait for which, in what order the workers take the parts, and
+what a run reports."""
 
-from run_suite import split_paths
+import json
+import sys
+
+import run_suite
+from run_suite import Part, make_parts, priorities, split_paths
 
 
 def test_paths_go_to_their_side_and_options_stay_options():
@@ -15,3 +20,52 @@ def test_paths_go_to_their_side_and_options_stay_options():
 def test_without_paths_everything_is_an_option():
     assert split_paths(["--durations=20", "-k", "no_such_path.py"]) == ([], [], ["--durations=20", "-k",
                                                                                 "no_such_path.py"])
+
+
+def test_the_whole_suite_is_every_test_once_and_every_notebook_alone():
+    parts = make_parts([], [])
+    rest = parts[0]
+    assert rest.name == "tests" and rest.args[0] == "tests"
+    slow = [p.name for p in parts if p.name.startswith("tests/")]
+    assert slow == list(run_suite.SLOW_FILES)
+    assert sorted(a for a in rest.args if a.startswith("--ignore=")) == sorted(f"--ignore={f}" for f in slow)
+    notebooks = sorted(p.name for p in parts if p.notebook)
+    assert notebooks == sorted(str(n.relative_to(run_suite.ROOT))
+                               for n in (run_suite.ROOT / "labs").glob("[0-9][0-9]_*.ipynb"))
+    assert len(notebooks) >= 10 and all(p.args == [p.name] for p in parts if p.notebook)
+
+
+def test_a_notebook_waits_for_the_baselines_it_loads():
+    after = {p.name[5:7]: {a[5:7] for a in p.after} for p in make_parts([], ["labs"])}
+    assert after["01"] == {"00"} and after["05"] == {"01", "03"} and after["08"] == set()
+    # Only among the parts of this run: alone, lab 05 waits for nothing.
+    assert make_parts([], ["labs/05_quantization.ipynb"])[0].after == set()
+
+
+def test_a_part_that_others_wait_on_goes_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_suite, "TIMES", tmp_path / "durations.json")
+    (tmp_path / "durations.json").write_text(json.dumps({"a": 100, "b": 30, "c": 50, "d": 10}))
+    parts = [Part("a", []), Part("b", []), Part("c", [], after={"b"}), Part("d", [], after={"c"})]
+    # b alone is short, but c and d wait on it: 30 + 50 + 10 ahead of a's 100 is close.
+    assert priorities(parts) == {"a": 100, "b": 90, "c": 60, "d": 10}
+    (tmp_path / "durations.json").write_text("not json")          # unknown: TYPICAL_S, else 60 s
+    assert priorities(parts)["d"] == 60 and priorities(parts)["b"] == 180
+
+
+def test_a_run_reports_each_part_and_fails_on_any_failure(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(run_suite, "LOGS", tmp_path)
+    monkeypatch.setattr(run_suite, "ROOT", tmp_path)
+    monkeypatch.setattr(run_suite, "TIMES", tmp_path / "durations.json")
+    monkeypatch.setattr(run_suite, "pytest_cmd", lambda paths, extra: [sys.executable, "-c", paths[0]])
+    ok = "print('3 passed in 0.1s')"
+    bad = "print('x'); print('=== FAILURES ==='); print('assert 1 == 2'); raise SystemExit(1)"
+    none = "raise SystemExit(5)"
+    parts = [Part("ok", [ok]), Part("bad", [bad]), Part("none", [none], after={"ok"})]
+    assert run_suite.run_shared(parts, [], {}, workers=2) == 1
+    out = capsys.readouterr().out
+    assert "passed ok in" in out and "3 passed in 0.1s" in out and "FAILED bad" in out
+    assert "=== FAILURES ===\nassert 1 == 2" in out and "x\n=== FAILURES" not in out
+    assert "suite FAILED" in out and "1 failed: bad" in out
+    # Only what passed is timed for the next run's order.
+    assert json.loads((tmp_path / "durations.json").read_text()).keys() == {"ok"}
+    assert run_suite.run_shared([Part("none", [none])], [], {}, workers=1) == run_suite.NO_TESTS
