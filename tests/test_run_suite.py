@@ -69,3 +69,26 @@ def test_a_run_reports_each_part_and_fails_on_any_failure(tmp_path, monkeypatch,
     # Only what passed is timed for the next run's order.
     assert json.loads((tmp_path / "durations.json").read_text()).keys() == {"ok"}
     assert run_suite.run_shared([Part("none", [none])], [], {}, workers=1) == run_suite.NO_TESTS
+
+
+def test_parts_that_wait_on_each_other_still_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(run_suite, "LOGS", tmp_path)
+    monkeypatch.setattr(run_suite, "ROOT", tmp_path)
+    monkeypatch.setattr(run_suite, "TIMES", tmp_path / "durations.json")
+    monkeypatch.setattr(run_suite, "pytest_cmd", lambda paths, extra: [sys.executable, "-c", paths[0]])
+    ok = "print('1 passed')"
+    parts = [Part("a", [ok], after={"b"}), Part("b", [ok], after={"a"}), Part("c", [ok])]
+    assert priorities(parts)["c"] == 60      # and the cycle's ranks are finite
+    assert run_suite.run_shared(parts, [], {}, workers=2) == 0
+    assert "3 parts, 0 failed" in capsys.readouterr().out
+
+
+def test_a_part_that_cannot_start_is_a_failure(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(run_suite, "LOGS", tmp_path)
+    monkeypatch.setattr(run_suite, "ROOT", tmp_path)
+    monkeypatch.setattr(run_suite, "TIMES", tmp_path / "durations.json")
+    part = Part("a", ["print(1)"])
+    part.log = tmp_path / "missing" / "a.log"          # a folder that is not there: no log
+    assert run_suite.run_shared([part], [], {}, workers=1) == 1
+    out = capsys.readouterr().out
+    assert "FAILED a" in out and "could not run: FileNotFoundError" in out and "1 failed: a" in out
