@@ -73,6 +73,7 @@ class Part:
     after: set[str] = field(default_factory=set)   # parts whose results this one reads
     rc: int | None = None
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
     summary: str = ""
     log: Path = field(init=False)
 
@@ -157,10 +158,15 @@ def part_threads(part: Part) -> dict[str, str]:
 def run_part(part: Part, extra: list[str], env: dict[str, str]) -> None:
     start = time.monotonic()
     with open(part.log, "w") as out:
-        part.rc = subprocess.call(pytest_cmd(part.args, extra), cwd=ROOT,
-                                  env={**env, **part_threads(part)}, stdout=out,
-                                  stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(pytest_cmd(part.args, extra), cwd=ROOT,
+                                env={**env, **part_threads(part)}, stdout=out,
+                                stderr=subprocess.STDOUT)
+        # wait4 returns the CPU time of the process and of every descendant it waited for
+        # (notebook kernels, servers a test started): how busy the part kept its core.
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = part.rc = os.waitstatus_to_exitcode(status)
     part.seconds = time.monotonic() - start
+    part.cpu_seconds = usage.ru_utime + usage.ru_stime
     lines = [ln.strip(" =") for ln in part.log.read_text(errors="replace").splitlines() if ln.strip()]
     part.summary = lines[-1] if lines else "(no output)"
 
@@ -210,8 +216,9 @@ def run_shared(parts: list[Part], extra: list[str], env: dict[str, str], workers
                 done.append(part)
                 finished.add(part.name)
                 verdict = "FAILED" if part.failed else "passed"
+                busy = f", CPU {part.cpu_seconds / part.seconds:.0%}" if part.seconds > 1 else ""
                 print(f"[{len(done):2d}/{len(parts)}] {verdict} {part.name} in "
-                      f"{part.seconds / 60:.1f} min: {part.summary}", flush=True)
+                      f"{part.seconds / 60:.1f} min{busy}: {part.summary}", flush=True)
                 changed.notify_all()
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(workers)]
