@@ -49,24 +49,30 @@ static void write_kv(const ModelPtrs *m, const LayerPtrs *L, int64_t slot, const
     }
 }
 
-/* Keys ahead whose K and V rows attend() prefetches. A (row, kv head) walks its keys at a stride of
+/* Keys ahead that attention prefetches: the keys' K vectors while it scores them, their V
+ * vectors while it sums them (each pass its own: V fetched during the key pass is evicted again
+ * before the value pass at long contexts). A (row, kv head) walks its keys at a stride of
  * kv_heads * head_dim (the other kv heads sit between), which the hardware prefetcher follows
  * poorly: SmolLM2-135M, batch 16, context 300, fp32 KV: attention 18.5 -> 15 ms a step (8 and 24
- * keys ahead measure the same). */
+ * keys ahead measure the same). K and V each in its own pass, on the AVX2 EPYC (2026-12-05, two
+ * threads, fp32 KV, medians of 24 steps, alternating runs): batch 16 at 1000 tokens, with the
+ * row-wide walk below, 70-73 -> 56-62 ms; batch 1 at 1000 tokens 7.7-8.7 -> 6.1-7.6 ms. */
 #define KV_PREFETCH_KEYS 8
 
-static inline void prefetch_kv(const ModelPtrs *m, const LayerPtrs *L, int64_t e) {
+static inline void prefetch_entry(const ModelPtrs *m, const void *cache, int64_t e) {
     int64_t bytes = m->head_dim * (m->kv_format == KV_INT8 ? 1 : m->kv_format == KV_BF16 ? 2 : 4);
-    for (int64_t off = 0; off < bytes; off += 64) {   /* every cache line of entry e's K and V */
-        __builtin_prefetch((const char *)L->k_cache + e * bytes + off);
-        __builtin_prefetch((const char *)L->v_cache + e * bytes + off);
-    }
+    for (int64_t off = 0; off < bytes; off += 64)   /* every cache line of entry e */
+        __builtin_prefetch((const char *)cache + e * bytes + off);
 }
 
 /* The query heads that share a kv head (GQA: SmolLM2-135M has 3 per kv head) attend together:
  * each key and value vector is read once for all of them, not once per head. ATTN_GROUP query
  * heads at most per pass; a model with more per kv head takes several passes. */
 #define ATTN_GROUP 4
+/* Row-wide attention (attend_row_group): query heads of one row at most, and rows per thread that
+ * a step needs for it (fewer rows, e.g. batch 1, split each row by kv head to use the team). */
+#define ROW_HEADS_MAX 128
+#define ROW_ITEMS_PER_THREAD 4
 
 /* Element i.. of a cached K or V vector as floats, in the cache's format (int8: the codes; the
  * caller applies the vector's scale). fmt and G below are constants at every call. */
@@ -133,7 +139,7 @@ attend_group(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64
     for (int64_t t = 0; t < n_ctx; t++) {
         int64_t e = (table[blk] * bs + off) * Hkv + kv_head;   /* (slot, kv head) entry */
         if (t + KV_PREFETCH_KEYS < n_ctx)
-            prefetch_kv(m, L, (table[pblk] * bs + poff) * Hkv + kv_head);
+            prefetch_entry(m, L->k_cache, (table[pblk] * bs + poff) * Hkv + kv_head);
         key_dots(kc + e * D * elt, q, D, G, fmt, s);
         float scale = fmt == KV_INT8 ? m->scale * L->k_scales[e] : m->scale;
         for (int h = 0; h < G; h++) {
@@ -145,9 +151,12 @@ attend_group(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64
     }
     for (int h = 0; h < G; h++) inv[h] = 1.0f / ms_exp_shifted(scores + h * sstride, n_ctx, mx[h]);
     memset(out, 0, G * D * sizeof(float));
-    blk = off = 0;
+    blk = off = 0, pblk = KV_PREFETCH_KEYS / bs, poff = KV_PREFETCH_KEYS % bs;
     for (int64_t t = 0; t < n_ctx; t++) {
         int64_t e = (table[blk] * bs + off) * Hkv + kv_head;
+        if (t + KV_PREFETCH_KEYS < n_ctx)
+            prefetch_entry(m, L->v_cache, (table[pblk] * bs + poff) * Hkv + kv_head);
+        if (++poff == bs) poff = 0, pblk++;
         float vs = fmt == KV_INT8 ? L->v_scales[e] : 1.0f;
         for (int h = 0; h < G; h++) s[h] = scores[h * sstride + t] * vs;
         value_sums(vc + e * D * elt, s, D, G, fmt, out);
@@ -157,21 +166,91 @@ attend_group(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64
         for (int64_t d = 0; d < D; d++) out[h * D + d] *= inv[h];
 }
 
-/* attend_group with its group size and the cache's format as constants. */
+/* CALL(g, fmt) with the group size G and the cache's format m->kv_format as compile-time
+ * constants (one specialized copy of the walk each: its inner loops unroll over the heads). */
+#define WITH_CONSTANT_G_AND_FORMAT(CALL) do { \
+        switch (G) { \
+        case 1: FORMAT_CASES(CALL, 1) break; \
+        case 2: FORMAT_CASES(CALL, 2) break; \
+        case 3: FORMAT_CASES(CALL, 3) break; \
+        default: FORMAT_CASES(CALL, ATTN_GROUP) \
+        } } while (0)
+#define FORMAT_CASES(CALL, g) switch (m->kv_format) { \
+        case KV_INT8: CALL(g, KV_INT8); break; \
+        case KV_BF16: CALL(g, KV_BF16); break; \
+        default: CALL(g, KV_F32); }
+
 static void attend(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t *table,
                    int64_t n_ctx, int64_t kv_head, float *scores, int64_t sstride, float *out, int G) {
 #define ATTEND(g, f) attend_group(m, L, q, table, n_ctx, kv_head, scores, sstride, out, g, f)
-#define FORMATS(g) switch (m->kv_format) { \
-        case KV_INT8: ATTEND(g, KV_INT8); break; \
-        case KV_BF16: ATTEND(g, KV_BF16); break; \
-        default: ATTEND(g, KV_F32); }
-    switch (G) {
-    case 1: FORMATS(1) break;
-    case 2: FORMATS(2) break;
-    case 3: FORMATS(3) break;
-    default: FORMATS(ATTN_GROUP)
+    WITH_CONSTANT_G_AND_FORMAT(ATTEND);
+#undef ATTEND
+}
+
+/* Every kv head of one row walks the keys together (the GQA groups of attend_group, one group per
+ * kv head, G = query heads per kv head). A slot keeps its Hkv key vectors side by side, and a
+ * block's slots follow each other, so the row reads each block of K (then of V) as one forward
+ * stream; one work item per (row, kv head) reads the same bytes as Hkv walks at a stride of
+ * Hkv * D, each taking a third of every line group (SmolLM2-135M), which the hardware prefetcher
+ * follows poorly. Same arithmetic per head, in the same order, as attend_group: the same bits.
+ * Measured on the AVX2 EPYC (2026-12-05, two threads, fp32 KV, batch 16, medians of 24 steps,
+ * three alternating runs, /tmp scratch around FusedDecoder.step_profile): attention 31-34 -> 25-28
+ * ms a step at 300 tokens, 88-102 -> 70-78 ms at 1000 (before each pass prefetched its own). */
+static inline __attribute__((always_inline)) void
+attend_row_group(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t *table,
+                 int64_t n_ctx, float *scores, int64_t sstride, float *out, const int G,
+                 const int fmt) {
+    int64_t bs = m->block_size, Hkv = m->num_kv_heads, D = m->head_dim, H = Hkv * G;
+    int64_t elt = fmt == KV_INT8 ? 1 : fmt == KV_BF16 ? 2 : 4, slot_bytes = Hkv * D * elt;
+    const char *kc = (const char *)L->k_cache, *vc = (const char *)L->v_cache;
+    float mx[ROW_HEADS_MAX], s[ATTN_GROUP];
+    for (int64_t h = 0; h < H; h++) mx[h] = -INFINITY;
+    int64_t blk = 0, off = 0, pblk = KV_PREFETCH_KEYS / bs, poff = KV_PREFETCH_KEYS % bs;
+    for (int64_t t = 0; t < n_ctx; t++) {
+        int64_t slot = table[blk] * bs + off;
+        if (t + KV_PREFETCH_KEYS < n_ctx) {
+            const char *pk = kc + (table[pblk] * bs + poff) * slot_bytes;
+            for (int64_t b = 0; b < slot_bytes; b += 64) __builtin_prefetch(pk + b);
+        }
+        for (int64_t g = 0; g < Hkv; g++) {
+            int64_t e = slot * Hkv + g;
+            key_dots(kc + e * D * elt, q + g * G * D, D, G, fmt, s);
+            float scale = fmt == KV_INT8 ? m->scale * L->k_scales[e] : m->scale;
+            for (int h = 0; h < G; h++) {
+                float v = scores[(g * G + h) * sstride + t] = s[h] * scale;
+                mx[g * G + h] = v > mx[g * G + h] ? v : mx[g * G + h];
+            }
+        }
+        if (++off == bs) off = 0, blk++;
+        if (++poff == bs) poff = 0, pblk++;
     }
-#undef FORMATS
+    float inv[ROW_HEADS_MAX];
+    for (int64_t h = 0; h < H; h++) inv[h] = 1.0f / ms_exp_shifted(scores + h * sstride, n_ctx, mx[h]);
+    memset(out, 0, H * D * sizeof(float));
+    blk = off = 0, pblk = KV_PREFETCH_KEYS / bs, poff = KV_PREFETCH_KEYS % bs;
+    for (int64_t t = 0; t < n_ctx; t++) {
+        int64_t slot = table[blk] * bs + off;
+        if (t + KV_PREFETCH_KEYS < n_ctx) {
+            const char *pv = vc + (table[pblk] * bs + poff) * slot_bytes;
+            for (int64_t b = 0; b < slot_bytes; b += 64) __builtin_prefetch(pv + b);
+        }
+        if (++poff == bs) poff = 0, pblk++;
+        for (int64_t g = 0; g < Hkv; g++) {
+            int64_t e = slot * Hkv + g;
+            float vs = fmt == KV_INT8 ? L->v_scales[e] : 1.0f;
+            for (int h = 0; h < G; h++) s[h] = scores[(g * G + h) * sstride + t] * vs;
+            value_sums(vc + e * D * elt, s, D, G, fmt, out + g * G * D);
+        }
+        if (++off == bs) off = 0, blk++;
+    }
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t d = 0; d < D; d++) out[h * D + d] *= inv[h];
+}
+
+static void attend_row(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t *table,
+                       int64_t n_ctx, float *scores, int64_t sstride, float *out, int G) {
+#define ATTEND(g, f) attend_row_group(m, L, q, table, n_ctx, scores, sstride, out, g, f)
+    WITH_CONSTANT_G_AND_FORMAT(ATTEND);
 #undef ATTEND
 }
 
@@ -192,8 +271,19 @@ static void attention_block(const ModelPtrs *m, const LayerPtrs *L, const Scratc
         write_kv(m, L, tables[b * table_stride + pos / bs] * bs + pos % bs, row + H * D,
                  row + (H + Hkv) * D);
     }
-    /* phase 2, reads only: one work item per (row, kv head, group of its query heads) */
+    /* phase 2, reads only. Rows enough to keep every thread busy (ROW_ITEMS_PER_THREAD each), and
+     * each kv head's query heads one group: one work item per row, every kv head together
+     * (attend_row_group says why); dynamic, as rows' contexts differ. Else one work item per
+     * (row, kv head, group of its query heads). */
     int64_t per_kv = H / Hkv, passes = (per_kv + ATTN_GROUP - 1) / ATTN_GROUP;
+    if (per_kv <= ATTN_GROUP && H <= ROW_HEADS_MAX && B >= ROW_ITEMS_PER_THREAD * nthreads) {
+        #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+        for (int64_t b = 0; b < B; b++)
+            attend_row(m, L, s->qkv + b * qkv_dim, tables + b * table_stride, positions[b] + 1,
+                       s->scores + b * H * s->scores_stride, s->scores_stride, s->attn + b * H * D,
+                       (int)per_kv);
+        return;
+    }
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t item = 0; item < B * Hkv * passes; item++) {
         int64_t b = item / (Hkv * passes), g = item / passes % Hkv, pass = item % passes;

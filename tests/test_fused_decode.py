@@ -27,6 +27,9 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
                                 reason="no C compiler: the fused decode kernel cannot be built")
 
 CONTEXTS = [5, 70, 600]  # one block, several, and past the kernel's initial softmax scratch (256)
+# Nine rows: at one or two threads, attention takes one work item per row (every kv head of the
+# row together); three rows: one per (row, kv head). Both must compute what PyTorch computes.
+WIDE_CONTEXTS = [5, 70, 600, 16, 33, 1, 250, 47, 129]
 
 
 def _scattered_tables(contexts: list[int], num_blocks: int, block_size: int, seed: int) -> list[list[int]]:
@@ -40,20 +43,21 @@ def _scattered_tables(contexts: list[int], num_blocks: int, block_size: int, see
     return tables
 
 
+@pytest.mark.parametrize("contexts", [CONTEXTS, WIDE_CONTEXTS], ids=["3-rows", "9-rows"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_fused_step_matches_torch_forward(variant, tmp_path):
+def test_fused_step_matches_torch_forward(variant, contexts, tmp_path):
     path = write_tiny_model(tmp_path / variant, seed=5, tokenizer_dir=_smollm2_tokenizer_dir(),
                             overrides=VARIANTS[variant])
-    llm = LLM(str(path), num_kv_blocks=64, fused_decode=True, max_model_len=1024, device="cpu")
+    llm = LLM(str(path), num_kv_blocks=128, fused_decode=True, max_model_len=1024, device="cpu")
     runner = llm.llm_engine.runner
     bs = runner.block_size
     torch.manual_seed(0)
     for k, v in runner.kv_caches:  # a populated cache: random keys/values as earlier steps left them
         k.normal_()
         v.normal_()
-    tables = _scattered_tables(CONTEXTS, 64, bs, seed=1)
-    meta = build_attention_metadata([1] * len(CONTEXTS), CONTEXTS, tables, bs)
-    ids, pos = torch.tensor([17, 4000, 123]), torch.tensor(CONTEXTS)
+    tables = _scattered_tables(contexts, 128, bs, seed=1)
+    meta = build_attention_metadata([1] * len(contexts), contexts, tables, bs)
+    ids, pos = torch.tensor([17, 4000, 123, 9, 77, 2048, 5, 300, 31][:len(contexts)]), torch.tensor(contexts)
     rows = torch.tensor([2, 0])  # logits for a subset of the rows, in another order
     slots = meta.slot_mapping
 
