@@ -5,6 +5,8 @@ what a run reports."""
 import json
 import sys
 
+import pytest
+
 import run_suite
 from run_suite import Part, make_parts, priorities, split_paths
 
@@ -52,11 +54,16 @@ def test_a_part_that_others_wait_on_goes_first(tmp_path, monkeypatch):
     assert priorities(parts)["d"] == 60 and priorities(parts)["b"] == 180
 
 
-def test_a_run_reports_each_part_and_fails_on_any_failure(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def sandbox(tmp_path, monkeypatch):
+    """run_suite rooted in tmp_path, each part's "pytest" a python -c of its first argument."""
     monkeypatch.setattr(run_suite, "LOGS", tmp_path)
     monkeypatch.setattr(run_suite, "ROOT", tmp_path)
     monkeypatch.setattr(run_suite, "TIMES", tmp_path / "durations.json")
     monkeypatch.setattr(run_suite, "pytest_cmd", lambda paths, extra: [sys.executable, "-c", paths[0]])
+
+
+def test_a_run_reports_each_part_and_fails_on_any_failure(sandbox, tmp_path, capsys):
     ok = "print('3 passed in 0.1s')"
     bad = "print('x'); print('=== FAILURES ==='); print('assert 1 == 2'); raise SystemExit(1)"
     none = "raise SystemExit(5)"
@@ -71,11 +78,7 @@ def test_a_run_reports_each_part_and_fails_on_any_failure(tmp_path, monkeypatch,
     assert run_suite.run_shared([Part("none", [none])], [], {}, workers=1) == run_suite.NO_TESTS
 
 
-def test_parts_that_wait_on_each_other_still_run(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(run_suite, "LOGS", tmp_path)
-    monkeypatch.setattr(run_suite, "ROOT", tmp_path)
-    monkeypatch.setattr(run_suite, "TIMES", tmp_path / "durations.json")
-    monkeypatch.setattr(run_suite, "pytest_cmd", lambda paths, extra: [sys.executable, "-c", paths[0]])
+def test_parts_that_wait_on_each_other_still_run(sandbox, tmp_path, capsys):
     ok = "print('1 passed')"
     parts = [Part("a", [ok], after={"b"}), Part("b", [ok], after={"a"}), Part("c", [ok])]
     assert priorities(parts)["c"] == 60      # and the cycle's ranks are finite
@@ -83,10 +86,7 @@ def test_parts_that_wait_on_each_other_still_run(tmp_path, monkeypatch, capsys):
     assert "3 parts, 0 failed" in capsys.readouterr().out
 
 
-def test_a_part_that_cannot_start_is_a_failure(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(run_suite, "LOGS", tmp_path)
-    monkeypatch.setattr(run_suite, "ROOT", tmp_path)
-    monkeypatch.setattr(run_suite, "TIMES", tmp_path / "durations.json")
+def test_a_part_that_cannot_start_is_a_failure(sandbox, tmp_path, capsys):
     part = Part("a", ["print(1)"])
     part.log = tmp_path / "missing" / "a.log"          # a folder that is not there: no log
     assert run_suite.run_shared([part], [], {}, workers=1) == 1
