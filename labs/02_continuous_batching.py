@@ -97,7 +97,7 @@ print(format_checks(run_checks(short=True), short=True))
 
 # %%
 SEATS = P.pick(quick=4, full=16)
-N = P.pick(quick=16, full=64)                 # requests of the mixed workload
+N = P.pick(quick=16, full=64, smoke=8)        # requests of the mixed workload
 LONGEST_PROMPT = P.pick(quick=32, full=128)
 LONGEST_ANSWER = P.pick(quick=32, full=256, smoke=16)
 llm = lab.engine_for(P, max_num_seqs=SEATS, enable_prefix_caching=False,

@@ -168,7 +168,7 @@ POLICIES = {"none": OPEN, "bounded queue": BOUNDED}
 if not lab.needs_engine("a server per admission policy, started here"):
     POLICIES = {"none": OPEN}   # a shared server: its own policy only ("none" in the tables below)
 MULTS = P.pick(quick=[0.5, 1.0, 2.0, 4.0], full=[0.5, 1.0, 1.5, 2.0, 3.0, 4.0])
-WINDOW_S = P.pick(quick=2, full=6) * service_s   # arrivals per step, in service times
+WINDOW_S = P.pick(quick=2, full=6, smoke=1) * service_s   # arrivals per step, in service times
 
 
 def load_step(point):

@@ -130,7 +130,7 @@ results = {}   # what section 8 records: each section that ran adds its own entr
 # %%
 W = load_workload("capstone_mix")
 SCALE = P.pick(quick=0.1, full=0.5, smoke=0.05)   # the files' lengths, scaled for this machine
-N = P.pick(quick=20, full=96)                 # requests per run
+N = P.pick(quick=20, full=96, smoke=10)       # requests per run
 SEATS = P.pick(quick=4, full=16)              # the baseline's max_num_seqs
 SEED = 4                                      # a draw with at least 3 requests of every class
 shapes = W.shapes(N, seed=SEED, length_scale=SCALE)
