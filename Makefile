@@ -79,8 +79,7 @@ labs-sync: venv
 # each running one pytest process at a time at one thread (NOTEBOOK_THREADS=2 gives notebooks two),
 # take its parts (each notebook, each test file that takes minutes alone, the rest of tests/) by how
 # much work waits on each; a notebook that reads another lab's baseline starts after that lab. Each
-# part's output is in build/test-logs/; a part that mostly waits (vLLM's tests) runs in a third lane
-# beside the two workers. TEST_LAYOUT=one runs everything in one process, in turn.
+# part's output is in build/test-logs/. TEST_LAYOUT=one runs everything in one process, in turn.
 # PYTEST_ARGS go to each pytest (e.g. PYTEST_ARGS="-x --durations=20"). Not pytest-xdist: with
 # --dist loadgroup it ran a notebook's cells out of order across kernel restarts (149 NameErrors).
 WITH_VLLM ?= $(CI)

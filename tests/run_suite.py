@@ -27,11 +27,6 @@ threads; beside a busy loop 110 s at two threads, 31 s at one.
 Each part's output goes to ``build/test-logs/<part>.log``; the terminal gets a line as each part
 starts and ends, then the whole failure report of every part that failed. The exit status is
 non-zero when any part failed.
-
-A part that mostly waits (its processes kept less than ``WAITING_SHARE`` of a core busy in the
-last run: vLLM's tests, where a server at one thread answers HTTP between the client's pauses)
-runs in a third lane beside the two workers, so it does not hold a core it leaves idle. Measured
-2026-12-05 on the AVX2 host: the vLLM part kept 49 % of its core busy over 8.5 minutes.
 """
 
 from __future__ import annotations
@@ -66,11 +61,6 @@ TYPICAL_S = {"tests": 1100, "tests/test_vllm_peer.py": 500, "labs/08_optimizatio
              "tests/test_docs.py": 135, "tests/test_browser.py": 110,
              "labs/04_prefix_caching.ipynb": 110, "labs/09_release_gates.ipynb": 60,
              "labs/00_tour.ipynb": 50, "labs/03_kv_cache_detective.ipynb": 45}
-# A part whose processes kept less than this share of a core busy (CPU seconds over wall seconds)
-# waits more than it works: it runs in the spare lane. Shares are the last run's, else TYPICAL_CPU,
-# else 1.
-WAITING_SHARE = 0.6
-TYPICAL_CPU = {"tests/test_vllm_peer.py": 0.5}
 
 
 @dataclass
@@ -140,26 +130,13 @@ def reads(notebook: str) -> set[str]:
     return set(re.findall(r"""load_baseline\(\s*["'](\d\d)["']""", text)) - {Path(notebook).name[:2]}
 
 
-def last_run() -> dict[str, dict[str, float]]:
-    """What the last run measured per part: ``{"seconds": ..., "cpu": share}`` (an older file
-    holds seconds alone). Empty when there is no readable file."""
-    try:
-        times = json.loads(TIMES.read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(times, dict):
-        return {}
-    return {k: v if isinstance(v, dict) else {"seconds": v} for k, v in times.items()}
-
-
-def cpu_share(name: str, last: dict[str, dict[str, float]]) -> float:
-    return float(last.get(name, {}).get("cpu", TYPICAL_CPU.get(name, 1.0)))
-
-
 def priorities(parts: list[Part]) -> dict[str, float]:
     """Each part's expected seconds plus the longest chain of parts that wait on it."""
-    last = last_run()
-    own = {p.name: float(last.get(p.name, {}).get("seconds", TYPICAL_S.get(p.name, 60))) for p in parts}
+    try:
+        last = json.loads(TIMES.read_text())
+    except (OSError, ValueError):
+        last = {}
+    own = {p.name: float(last.get(p.name, TYPICAL_S.get(p.name, 60))) for p in parts}
     waiting = {p.name: [q.name for q in parts if p.name in q.after] for p in parts}
     rank: dict[str, float] = {}
 
@@ -205,24 +182,21 @@ def failure_report(part: Part) -> str:
 
 def run_shared(parts: list[Part], extra: list[str], env: dict[str, str], workers: int) -> int:
     LOGS.mkdir(parents=True, exist_ok=True)
-    rank, last = priorities(parts), last_run()
+    rank = priorities(parts)
     pending = sorted(parts, key=lambda p: -rank[p.name])
-    waiting = {p.name for p in parts if cpu_share(p.name, last) < WAITING_SHARE}
     finished: set[str] = set()
     done: list[Part] = []
     running = [0]
     changed, start = threading.Condition(), time.monotonic()
-    spare = f", and a spare lane for {', '.join(sorted(waiting))} (mostly waits)" if waiting else ""
-    print(f"suite: {len(parts)} parts, {workers} workers at one thread each{spare}; each part's "
-          f"output is in {LOGS.relative_to(ROOT)}/", flush=True)
+    print(f"suite: {len(parts)} parts, {workers} workers at one thread each; each part's output "
+          f"is in {LOGS.relative_to(ROOT)}/", flush=True)
 
-    def next_part(lane: str) -> Part | None:
-        """The first pending part whose inputs are done and that this lane takes (the spare lane
-        takes only parts that mostly wait); waits for one; None when none is left for the lane."""
+    def next_part() -> Part | None:
+        """The first pending part whose inputs are done (waits for one); None when none is left."""
         with changed:
-            while mine := [p for p in pending if lane == "worker" or p.name in waiting]:
+            while pending:
                 # Nothing running and nothing ready: the rest wait on each other; take the first.
-                ready = [p for p in mine if p.after <= finished] or ([] if running[0] else mine)
+                ready = [p for p in pending if p.after <= finished] or ([] if running[0] else pending)
                 if ready:
                     part = ready[0]
                     pending.remove(part)
@@ -231,8 +205,8 @@ def run_shared(parts: list[Part], extra: list[str], env: dict[str, str], workers
                 changed.wait()
             return None
 
-    def worker(lane: str) -> None:
-        while (part := next_part(lane)) is not None:
+    def worker() -> None:
+        while (part := next_part()) is not None:
             try:
                 run_part(part, extra, env)
             except Exception as exc:  # noqa: BLE001 - a part that cannot start is a failed part
@@ -247,8 +221,7 @@ def run_shared(parts: list[Part], extra: list[str], env: dict[str, str], workers
                       f"{part.seconds / 60:.1f} min{busy}: {part.summary}", flush=True)
                 changed.notify_all()
 
-    lanes = ["worker"] * workers + (["spare"] if waiting and workers > 1 else [])
-    threads = [threading.Thread(target=worker, args=(lane,), daemon=True) for lane in lanes]
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(workers)]
     for t in threads:
         t.start()
     for t in threads:
@@ -258,9 +231,11 @@ def run_shared(parts: list[Part], extra: list[str], env: dict[str, str], workers
 
 
 def save_times(parts: list[Part]) -> None:
-    times = last_run()
-    times.update({p.name: {"seconds": round(p.seconds, 1), "cpu": round(p.cpu_seconds / p.seconds, 2)}
-                  for p in parts if p.rc == 0 and p.seconds > 0})
+    try:
+        times = json.loads(TIMES.read_text())
+    except (OSError, ValueError):
+        times = {}
+    times.update({p.name: round(p.seconds, 1) for p in parts if p.rc == 0})
     TIMES.write_text(json.dumps(times, indent=1, sort_keys=True))
 
 

@@ -92,21 +92,3 @@ def test_a_part_that_cannot_start_is_a_failure(sandbox, tmp_path, capsys):
     assert run_suite.run_shared([part], [], {}, workers=1) == 1
     out = capsys.readouterr().out
     assert "FAILED a" in out and "could not run: FileNotFoundError" in out and "1 failed: a" in out
-
-
-def test_a_part_that_mostly_waits_runs_beside_both_workers(sandbox, tmp_path, capsys):
-    # a and b each hold a worker until c has run; c kept a tenth of a core busy last time, so it
-    # runs in the spare lane at once. Without that lane a and b would give up and fail.
-    hold = ("import pathlib, time; t = time.time()\n"
-            "while not pathlib.Path('c-ran').exists() and time.time() - t < 20: time.sleep(0.02)\n"
-            "raise SystemExit(0 if pathlib.Path('c-ran').exists() else 1)")
-    (tmp_path / "durations.json").write_text(json.dumps(
-        {"a": 100, "b": {"seconds": 90, "cpu": 0.95}, "c": {"seconds": 5, "cpu": 0.1}}))
-    parts = [Part("a", [hold]), Part("b", [hold]), Part("c", ["open('c-ran', 'w')"])]
-    assert run_suite.run_shared(parts, [], {}, workers=2) == 0
-    assert "spare lane for c (mostly waits)" in capsys.readouterr().out
-    # The next run's file keeps each part's seconds and CPU share (the old form, seconds alone,
-    # still reads).
-    saved = json.loads((tmp_path / "durations.json").read_text())
-    assert set(saved) == {"a", "b", "c"} and all(0 <= v["cpu"] <= 2 and v["seconds"] > 0
-                                                 for v in saved.values())
