@@ -12,6 +12,9 @@ engine produces exactly the requested tokens. Three measurements per engine:
    batch 1 (how much a step gains from batching);
 4. prefill: 1024-token prompts one at a time, one output token each: prompt tokens per second.
 
+For each minserve engine the mixed workload's time is also split by kind of step (prefill, mixed,
+decode; ``step_kinds.py``): the profile that says what bounds the mixed figure.
+
 Engines: minserve fp32 / bf16 (``dtype="bfloat16"``) / int8 / int4 in this process
 (``EngineConfig.quantization``), int8-a8 / int4-a8 (W8A8 / W4A8: the same weights with
 ``quantization_config={"activations": "int8"}``, integer dot products), vLLM fp32 /
@@ -192,10 +195,22 @@ def make_engine(name: str, args, model_dir: Path, log_dir: Path):
 # ---- the three measurements ---------------------------------------------------------------------
 
 def mixed(engine, work) -> dict:
-    seconds, tokens = engine.run([w["prompt_token_ids"] for w in work], [w["max_tokens"] for w in work])
+    """The mixed workload once; for a minserve engine also where its time went, by kind of step
+    (step_kinds.py: prefill, mixed and decode steps)."""
+    kinds = None
+    if isinstance(engine, MinserveEngine):
+        from step_kinds import StepKinds
+        kinds = StepKinds()
+        engine.llm.llm_engine.add_step_observer(kinds)
+    try:
+        seconds, tokens = engine.run([w["prompt_token_ids"] for w in work], [w["max_tokens"] for w in work])
+    finally:
+        if kinds is not None:
+            engine.llm.llm_engine.remove_step_observer(kinds)
     useful = sum(w["max_tokens"] for w in work)
     assert [len(t) for t in tokens] == [w["max_tokens"] for w in work], f"{engine.name}: short outputs"
-    return {"seconds": seconds, "tok_s": useful / seconds, "tokens": tokens}
+    return {"seconds": seconds, "tok_s": useful / seconds, "tokens": tokens,
+            "step_kinds": kinds.summary() if kinds else None, "step_table": kinds.table() if kinds else None}
 
 
 def decode(engine, prompt: list[int], n: int) -> float:
@@ -303,13 +318,15 @@ def main() -> None:
             engines[name].run([w["prompt_token_ids"] for w in work[:4]], [8] * min(4, len(work)))
             engines[name].run([long_prompts[0]], [2])
         per = {n: {m: [] for m in METRICS} for n in names}
-        tokens = {}
+        tokens, step_kinds = {}, {}
         for r in range(args.runs):
             order = names[r % len(names):] + names[:r % len(names)]  # rotate: no engine always first
             for name in order:
                 e = engines[name]
                 m = mixed(e, work)
                 tokens[name] = m["tokens"]
+                if m["step_kinds"]:   # the last round's profile of the mixed workload
+                    step_kinds[name] = {"summary": m["step_kinds"], "table": m["step_table"]}
                 per[name]["mixed_tok_s"].append(m["tok_s"])
                 per[name]["decode_tok_s"].append(decode(e, decode_prompt, args.decode_tokens))
                 per[name]["decode16_tok_s"].append(decode_batch(e, batch_prompts, args.decode_tokens))
@@ -330,6 +347,7 @@ def main() -> None:
            "engines": {n: {**{k: statistics.median(v) for k, v in per[n].items()},
                            **{f"{k}_runs": v for k, v in per[n].items()}} for n in names}}
     res["ratios"] = ratios(res["engines"])
+    res["mixed_step_kinds"] = {n: k["summary"] for n, k in step_kinds.items()}
     if "minserve-fp32" in tokens and "vllm-fp32" in tokens:
         a, b = tokens["minserve-fp32"], tokens["vllm-fp32"]
         res["greedy_fp32_identical"] = sum(x == y for x, y in zip(a, b))
@@ -339,6 +357,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
     print("\n" + res["markdown"])
+    for name, k in step_kinds.items():
+        print(f"\n{name}, the mixed workload by kind of step (last round):\n{k['table']}")
     if "greedy_fp32_identical" in res:
         print(f"\nminserve fp32 and vLLM fp32 greedy outputs identical on {res['greedy_fp32_identical']}"
               f"/{len(work)} mixed requests")

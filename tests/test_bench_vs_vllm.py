@@ -26,3 +26,32 @@ def test_best_minserve_skips_formats_that_fail_the_gate():
 def test_gate_failures_name_real_engines():
     assert set(GATE_FAILS) <= set(ENGINES)
     assert {"minserve-int4-a8", "minserve-int8-a8"} <= set(ENGINES)
+
+
+def test_step_kinds_account_for_every_prompt_token_and_decode_row():
+    """The mixed workload's profile by kind of step (benchmarks/step_kinds.py): with no prefix
+    cache and no preemption, its prompt tokens are the prompts' and its decode rows are every
+    output token but each request's first (which its last prefill chunk samples). A 32-token step
+    budget chunks the prompts, so some steps carry chunks and decode rows together."""
+    from minserve import LLM, SamplingParams
+    from step_kinds import StepKinds
+    tiny_llm = LLM("tiny-llama", max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=64,
+                   enable_prefix_caching=False)
+    prompts = [[5 + i] * n for i, n in enumerate((40, 7, 90, 12, 3))]
+    outs = [6, 1, 9, 4, 12]
+    kinds = StepKinds()
+    tiny_llm.llm_engine.add_step_observer(kinds)
+    try:
+        tiny_llm.generate([{"prompt_token_ids": p} for p in prompts],
+                          [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outs],
+                          use_tqdm=False)
+    finally:
+        tiny_llm.llm_engine.remove_step_observer(kinds)
+    s = kinds.summary()
+    assert sum(k["prompt_tokens"] for k in s.values()) == sum(map(len, prompts))
+    assert sum(k["decode_rows"] for k in s.values()) == sum(outs) - len(outs)
+    assert s["prefill"]["decode_rows"] == 0 and s["decode"]["prompt_tokens"] == 0
+    assert s["prefill"]["steps"] >= 1 and s["mixed"]["steps"] >= 1 and s["decode"]["steps"] >= 1
+    assert sum(k["share"] for k in s.values()) == pytest.approx(1.0)
+    assert all(k["seconds"] > 0 for k in s.values() if k["steps"])
+    assert "| decode |" in kinds.table()
