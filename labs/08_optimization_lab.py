@@ -132,7 +132,7 @@ W = load_workload("capstone_mix")
 SCALE = P.pick(quick=0.1, full=0.5, smoke=0.05)   # the files' lengths, scaled for this machine
 N = P.pick(quick=20, full=96, smoke=10)       # requests per run
 SEATS = P.pick(quick=4, full=16)              # the baseline's max_num_seqs
-SEED = 4                                      # a draw with at least 3 requests of every class
+SEED = 4      # quick: a draw with at least 3 requests of every class (smoke, 10 requests: 4, 3, 2, 1)
 shapes = W.shapes(N, seed=SEED, length_scale=SCALE)
 shapes["prompt_tokens"] = shapes.prefix_tokens + shapes.body_tokens
 print(f"{W.name} {W.version} (sha256 {W.resolved_sha256[:12]}…): {N} requests at length scale {SCALE}")
