@@ -59,15 +59,32 @@ typedef float vf4 __attribute__((vector_size(16)));
 
 /* Sum of the 16 lanes as a tree of vector adds: a lane-by-lane loop would be a chain of 15
  * dependent additions per output row, which dominates once several inputs share a weight load. */
+#if defined(__AVX512F__) || defined(__AVX2__)   /* immintrin.h is included above */
+/* The same tree in register shuffles: GCC 12 lowers the unions below to a store and reloads (perf
+ * annotate: decode attention's per-key sums went through the stack). Same additions, same order. */
+static inline float hsum8(vf8 v) {
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));                 /* b0 + b2, b1 + b3 */
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));      /* (b0 + b2) + (b1 + b3) */
+}
+#else
 static inline float hsum8(vf8 v) {
     union { vf8 whole; vf4 half[2]; } w = {v};        /* unions, not shuffles: any GCC or clang */
     vf4 b = w.half[0] + w.half[1];
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
+#endif
+#if defined(__AVX512F__)
+static inline float hsum(vf16 v) {
+    return hsum8((vf8)_mm256_add_ps(_mm512_castps512_ps256((__m512)v),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)v), 1))));
+}
+#else
 static inline float hsum(vf16 v) {
     union { vf16 whole; vf8 half[2]; } u = {v};
     return hsum8(u.half[0] + u.half[1]);
 }
+#endif
 
 static inline void store_row(float *y, float v, const float *bias, int64_t r, int accumulate) {
     if (bias) v += bias[r];
