@@ -382,9 +382,10 @@ void ms_rms_norm(const float *x, const float *w, float *out, int64_t B, int64_t 
 static void rope(float *v, int64_t heads, int64_t D, const float *cos, const float *sin_signed) {
     int64_t half = D / 2;
     float tmp[1024];
-    for (int64_t h = 0; h < heads; h++, v += D) {
+    for (int64_t h = 0; h < heads; h++, v += D) {   /* each half pairs with the other: no modulo */
         memcpy(tmp, v, D * sizeof(float));
-        for (int64_t d = 0; d < D; d++) v[d] = tmp[d] * cos[d] + tmp[(d + half) % D] * sin_signed[d];
+        for (int64_t d = 0; d < half; d++) v[d] = tmp[d] * cos[d] + tmp[d + half] * sin_signed[d];
+        for (int64_t d = half; d < D; d++) v[d] = tmp[d] * cos[d] + tmp[d - half] * sin_signed[d];
     }
 }
 

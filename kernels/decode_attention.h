@@ -72,7 +72,7 @@ static inline void prefetch_entry(const ModelPtrs *m, const void *cache, int64_t
  * each key and value vector is read once for all of them, not once per head. ATTN_GROUP query
  * heads at most per pass; a model with more per kv head takes several passes. */
 #define ATTN_GROUP 4
-/* Row-wide attention (attend_row_group): query heads of one row at most, and rows per thread that
+/* Row-wide attention (attend_row): query heads of one row at most, and rows per thread that
  * a step needs for it (fewer rows, e.g. batch 1, split each row by kv head to use the team). */
 #define ROW_HEADS_MAX 128
 #define ROW_ITEMS_PER_THREAD 4
@@ -106,66 +106,214 @@ key_dots(const void *k, const float *q, int64_t D, const int G, const int fmt, f
     }
 }
 
-/* out_h += p[h] v for the G heads' outputs at out (D floats apart). */
+/* Lane j of the result = dvec_hsum(a[j]), with the same additions in the same order (so the same
+ * bits): DVEC_LANES keys' dot products reduced together by one tree of shuffles, instead of one
+ * horizontal sum each, a chain of dependent shuffles per key that left the score pass waiting on
+ * latency. Level by level the tree adds lane i and lane i + 8, then i + 4, i + 2, i + 1 of every
+ * key, as hsum does; the lanes come out interleaved and one permute puts key j in lane j. */
+#if DVEC_LANES == 16 && defined(__AVX512F__)
+static inline dvec dvec_hsum_lanes(const dvec a[16]) {
+    __m512 c[8], e[4], g[2];
+    for (int j = 0; j < 8; j++)   /* keys 2j, 2j+1: lanes 0-7 and 8-15, i + (i + 8) */
+        c[j] = _mm512_add_ps(_mm512_shuffle_f32x4((__m512)a[2 * j], (__m512)a[2 * j + 1], 0x44),
+                             _mm512_shuffle_f32x4((__m512)a[2 * j], (__m512)a[2 * j + 1], 0xEE));
+    for (int j = 0; j < 4; j++)   /* keys 4j .. 4j+3, one per 128-bit lane: i + (i + 4) */
+        e[j] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], 0xDD));
+    for (int j = 0; j < 2; j++)   /* i + (i + 2) */
+        g[j] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * j], e[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(e[2 * j], e[2 * j + 1], 0xEE));
+    __m512 r = _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], 0x88), _mm512_shuffle_ps(g[0], g[1], 0xDD));
+    /* r[4k + m] holds key 4m + k */
+    return (dvec)_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+/* v > mx ? v : mx in each lane (a NaN score leaves the max alone, as the one-key loop does) */
+static inline dvec dvec_max(dvec mx, dvec v) { return (dvec)_mm512_max_ps((__m512)v, (__m512)mx); }
+#elif DVEC_LANES == 8
+static inline dvec dvec_hsum_lanes(const dvec a[8]) {
+    __m256 c[4], e[2];
+    for (int j = 0; j < 4; j++)   /* keys 2j, 2j+1: lanes 0-3 and 4-7, i + (i + 4) */
+        c[j] = _mm256_add_ps(_mm256_permute2f128_ps((__m256)a[2 * j], (__m256)a[2 * j + 1], 0x20),
+                             _mm256_permute2f128_ps((__m256)a[2 * j], (__m256)a[2 * j + 1], 0x31));
+    for (int j = 0; j < 2; j++)   /* i + (i + 2) */
+        e[j] = _mm256_add_ps(_mm256_shuffle_ps(c[2 * j], c[2 * j + 1], 0x44),
+                             _mm256_shuffle_ps(c[2 * j], c[2 * j + 1], 0xEE));
+    __m256 r = _mm256_add_ps(_mm256_shuffle_ps(e[0], e[1], 0x88), _mm256_shuffle_ps(e[0], e[1], 0xDD));
+    /* r[4l + m] holds key 2m + l */
+    return (dvec)_mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+static inline dvec dvec_max(dvec mx, dvec v) { return (dvec)_mm256_max_ps((__m256)v, (__m256)mx); }
+#else
+static inline dvec dvec_hsum_lanes(const dvec a[DVEC_LANES]) {
+    dvec r;
+    for (int j = 0; j < DVEC_LANES; j++) r[j] = dvec_hsum(a[j]);
+    return r;
+}
+static inline dvec dvec_max(dvec mx, dvec v) {
+    for (int j = 0; j < DVEC_LANES; j++) mx[j] = v[j] > mx[j] ? v[j] : mx[j];
+    return mx;
+}
+#endif
+
+/* DVEC_LANES keys (entries ents[j]: slot * Hkv + kv head) scored against the G heads at q:
+ * scores[h * sstride + j] = kscale[j] * (q_h . k_j), exactly what key_dots and the scale give one
+ * key at a time, and mxv[h] the lane-wise running max. */
 static inline __attribute__((always_inline)) void
-value_sums(const void *v, const float *p, int64_t D, const int G, const int fmt, float *out) {
-    dvec pv[ATTN_GROUP];
-    for (int h = 0; h < G; h++) pv[h] = (dvec){0} + p[h];
-    int64_t i = 0;
-    for (; i + DVEC_LANES <= D; i += DVEC_LANES) {
-        dvec vv = kv_load(v, i, fmt);
-        for (int h = 0; h < G; h++)
-            dvec_store(out + h * D + i, dvec_fma(dvec_load(out + h * D + i), vv, pv[h]));
+score_key_lanes(const char *kc, const int64_t *ents, const float *q, const float *kscale, int64_t D,
+                float *scores, int64_t sstride, dvec *mxv, const int G, const int fmt) {
+    const int64_t elt = fmt == KV_INT8 ? 1 : fmt == KV_BF16 ? 2 : 4;
+    dvec part[ATTN_GROUP][DVEC_LANES];
+    for (int j = 0; j < DVEC_LANES; j++) {
+        const char *k = kc + ents[j] * D * elt;
+        dvec acc[ATTN_GROUP];
+        for (int h = 0; h < G; h++) acc[h] = (dvec){0};
+        for (int64_t i = 0; i < D; i += DVEC_LANES) {
+            dvec kv = kv_load(k, i, fmt);
+            for (int h = 0; h < G; h++) acc[h] = dvec_fma(acc[h], kv, dvec_load(q + h * D + i));
+        }
+        for (int h = 0; h < G; h++) part[h][j] = acc[h];
     }
-    for (int h = 0; h < G; h++)
-        for (int64_t j = i; j < D; j++) out[h * D + j] += p[h] * kv_elem(v, j, fmt);
+    dvec scale = dvec_load(kscale);
+    for (int h = 0; h < G; h++) {
+        dvec sc = dvec_hsum_lanes(part[h]) * scale;
+        dvec_store(scores + h * sstride, sc);
+        mxv[h] = dvec_max(mxv[h], sc);
+    }
 }
 
-/* Softmax attention of G query heads (q: G x D floats) over n_ctx cached keys/values of one kv
- * head; scores: G rows, sstride floats apart; out: G x D. Key t lives in block table[t / bs] at
- * offset t % bs: walked with counters (block, offset), not divided out per key (a 64-bit division
- * costs more than the key's dot product). Tried and not kept (batch 16, context 300, on the
- * AVX-512 host, one head at a time then): one work item per (row, kv head, 64 keys), chunks merged
- * flash-decoding style (1.4x slower); the values summed in registers instead of into `out` (no
- * change). Heads walking the keys together, one read of each vector per group: on the AVX2-only
- * EPYC attention at batch 16 / 300 tokens went from 42-48 to 27 ms a step (alternating runs). */
+/* The score pass of one row over n_ctx keys, for its kv heads g0 .. g0 + ng - 1 (query heads
+ * (g - g0) * G + h at q, D floats apart): scores[((g - g0) * G + h) * sstride + t] = scale * q . k
+ * and mx[] each head's largest. Keys DVEC_LANES at a time (score_key_lanes) while whole groups
+ * remain and D is a multiple of the width, then one at a time (key_dots); the same bits either
+ * way. Key t lives in block table[t / bs] at offset t % bs: walked with counters (block, offset),
+ * not divided out per key (a 64-bit division costs more than the key's dot product); the
+ * entries KV_PREFETCH_KEYS ahead are prefetched as one span (a slot's kv heads sit side by side). */
 static inline __attribute__((always_inline)) void
-attend_group(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t *table,
-             int64_t n_ctx, int64_t kv_head, float *scores, int64_t sstride, float *out,
-             const int G, const int fmt) {
+score_pass(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t *table,
+           int64_t n_ctx, int64_t g0, int64_t ng, float *scores, int64_t sstride, float *mx,
+           const int G, const int fmt) {
     int64_t bs = m->block_size, Hkv = m->num_kv_heads, D = m->head_dim;
-    int64_t elt = fmt == KV_INT8 ? 1 : fmt == KV_BF16 ? 2 : 4;
-    const char *kc = (const char *)L->k_cache, *vc = (const char *)L->v_cache;
-    float mx[ATTN_GROUP], s[ATTN_GROUP], inv[ATTN_GROUP];
-    for (int h = 0; h < G; h++) mx[h] = -INFINITY;
-    int64_t blk = 0, off = 0, pblk = KV_PREFETCH_KEYS / bs, poff = KV_PREFETCH_KEYS % bs;
-    for (int64_t t = 0; t < n_ctx; t++) {
-        int64_t e = (table[blk] * bs + off) * Hkv + kv_head;   /* (slot, kv head) entry */
+    int64_t elt = fmt == KV_INT8 ? 1 : fmt == KV_BF16 ? 2 : 4, span = ng * D * elt;
+    const char *kc = (const char *)L->k_cache;
+    int64_t blk = 0, off = 0, pblk = KV_PREFETCH_KEYS / bs, poff = KV_PREFETCH_KEYS % bs, t = 0;
+    float s[ATTN_GROUP];
+    for (int64_t h = 0; h < ng * G; h++) mx[h] = -INFINITY;
+    if (D % DVEC_LANES == 0 && n_ctx >= DVEC_LANES) {
+        dvec mxv[ROW_HEADS_MAX];
+        for (int64_t h = 0; h < ng * G; h++) mxv[h] = (dvec){0} - INFINITY;
+        for (; t + DVEC_LANES <= n_ctx; t += DVEC_LANES) {
+            int64_t slots[DVEC_LANES], ents[DVEC_LANES];
+            float ks[DVEC_LANES];
+            for (int j = 0; j < DVEC_LANES; j++) {
+                slots[j] = table[blk] * bs + off;
+                if (t + j + KV_PREFETCH_KEYS < n_ctx)
+                    prefetch_span(kc + ((table[pblk] * bs + poff) * Hkv + g0) * D * elt, span);
+                if (++off == bs) off = 0, blk++;
+                if (++poff == bs) poff = 0, pblk++;
+            }
+            for (int64_t g = 0; g < ng; g++) {
+                for (int j = 0; j < DVEC_LANES; j++) {
+                    ents[j] = slots[j] * Hkv + g0 + g;
+                    ks[j] = fmt == KV_INT8 ? m->scale * L->k_scales[ents[j]] : m->scale;
+                }
+                score_key_lanes(kc, ents, q + g * G * D, ks, D, scores + g * G * sstride + t, sstride,
+                                mxv + g * G, G, fmt);
+            }
+        }
+        for (int64_t h = 0; h < ng * G; h++)
+            for (int j = 0; j < DVEC_LANES; j++) mx[h] = mxv[h][j] > mx[h] ? mxv[h][j] : mx[h];
+    }
+    for (; t < n_ctx; t++) {
+        int64_t slot = table[blk] * bs + off;
         if (t + KV_PREFETCH_KEYS < n_ctx)
-            prefetch_entry(m, L->k_cache, (table[pblk] * bs + poff) * Hkv + kv_head);
-        key_dots(kc + e * D * elt, q, D, G, fmt, s);
-        float scale = fmt == KV_INT8 ? m->scale * L->k_scales[e] : m->scale;
-        for (int h = 0; h < G; h++) {
-            float v = scores[h * sstride + t] = s[h] * scale;
-            mx[h] = v > mx[h] ? v : mx[h];
+            prefetch_span(kc + ((table[pblk] * bs + poff) * Hkv + g0) * D * elt, span);
+        for (int64_t g = 0; g < ng; g++) {
+            int64_t e = slot * Hkv + g0 + g;
+            key_dots(kc + e * D * elt, q + g * G * D, D, G, fmt, s);
+            float scale = fmt == KV_INT8 ? m->scale * L->k_scales[e] : m->scale;
+            for (int h = 0; h < G; h++) {
+                float v = scores[(g * G + h) * sstride + t] = s[h] * scale;
+                mx[g * G + h] = v > mx[g * G + h] ? v : mx[g * G + h];
+            }
         }
         if (++off == bs) off = 0, blk++;
         if (++poff == bs) poff = 0, pblk++;
     }
-    for (int h = 0; h < G; h++) inv[h] = 1.0f / ms_exp_shifted(scores + h * sstride, n_ctx, mx[h]);
-    memset(out, 0, G * D * sizeof(float));
-    blk = off = 0, pblk = KV_PREFETCH_KEYS / bs, poff = KV_PREFETCH_KEYS % bs;
-    for (int64_t t = 0; t < n_ctx; t++) {
-        int64_t e = (table[blk] * bs + off) * Hkv + kv_head;
-        if (t + KV_PREFETCH_KEYS < n_ctx)
-            prefetch_entry(m, L->v_cache, (table[pblk] * bs + poff) * Hkv + kv_head);
-        if (++poff == bs) poff = 0, pblk++;
-        float vs = fmt == KV_INT8 ? L->v_scales[e] : 1.0f;
-        for (int h = 0; h < G; h++) s[h] = scores[h * sstride + t] * vs;
-        value_sums(vc + e * D * elt, s, D, G, fmt, out);
-        if (++off == bs) off = 0, blk++;
+}
+
+/* out_h += p_j v_j over the keys of one run (entries ents[j], p_j = p[h * KEY_RUN + j]) for the G
+ * heads at out (D floats apart), in key order: the same sums as one key at a time, with each
+ * D-chunk of the G outputs held in registers across the run instead of loaded and stored at
+ * every key. */
+#define KEY_RUN 16
+static inline __attribute__((always_inline)) void
+value_key_run(const char *vc, const int64_t *ents, int n, const float *p, int64_t D, float *out,
+              const int G, const int fmt) {
+    const int64_t elt = fmt == KV_INT8 ? 1 : fmt == KV_BF16 ? 2 : 4;
+    int64_t i = 0;
+    for (; i + DVEC_LANES <= D; i += DVEC_LANES) {
+        dvec acc[ATTN_GROUP];
+        for (int h = 0; h < G; h++) acc[h] = dvec_load(out + h * D + i);
+        for (int j = 0; j < n; j++) {
+            dvec vv = kv_load(vc + ents[j] * D * elt, i, fmt);
+            for (int h = 0; h < G; h++) acc[h] = dvec_fma(acc[h], vv, (dvec){0} + p[h * KEY_RUN + j]);
+        }
+        for (int h = 0; h < G; h++) dvec_store(out + h * D + i, acc[h]);
     }
-    for (int h = 0; h < G; h++)
+    for (; i < D; i++)
+        for (int j = 0; j < n; j++)
+            for (int h = 0; h < G; h++) out[h * D + i] += p[h * KEY_RUN + j] * kv_elem(vc + ents[j] * D * elt, i, fmt);
+}
+
+/* Softmax attention of one row's query heads over its n_ctx cached keys and values, for kv heads
+ * g0 .. g0 + ng - 1 (G query heads each, (g - g0) * G + h at q and out, D floats apart; scores:
+ * one row of sstride floats per head). attend() takes one kv head per work item; attend_row()
+ * every kv head of the row at once: a slot keeps its Hkv key vectors side by side and a block's
+ * slots follow each other, so the row reads each block of K (then of V) as one forward stream,
+ * where Hkv walks at a stride of Hkv * D each take a third of every line group (SmolLM2-135M),
+ * which the hardware prefetcher follows poorly. Both compute each head in the same order: the
+ * same bits. Measured on the AVX2 EPYC (2026-12-05, two threads, fp32 KV, batch 16, medians of 24
+ * steps, three alternating runs): the row-wide walk took attention 31-34 -> 25-28 ms a step at 300
+ * tokens, 88-102 -> 70-78 ms at 1000. Both passes go in runs of keys (score_key_lanes,
+ * value_key_run). On the Intel Xeon with AMX (2026-12-05, bf16 KV, batch 16, FusedDecoder.
+ * step_profile in a scratch script, medians of 15 steps), the runs, register shuffles in hsum
+ * and phase 1 split over the team (attention_block) took attention from 16.2 to 14.2 ms a step
+ * at 600 tokens, 8.5 -> 7.3 at 300 and 3.2 -> 1.9 at 64; what remains at long contexts waits on
+ * memory (perf: the prefetches' line fills), and 8, 24 or 2 keys ahead measure the same. Tried
+ * and not kept earlier (batch 16, context 300, AVX-512, one head at a time then): one work item
+ * per (row, kv head, 64 keys), merged flash-decoding style (1.4x slower). */
+static inline __attribute__((always_inline)) void
+attend_heads(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t *table,
+             int64_t n_ctx, int64_t g0, int64_t ng, float *scores, int64_t sstride, float *out,
+             const int G, const int fmt) {
+    int64_t bs = m->block_size, Hkv = m->num_kv_heads, D = m->head_dim, H = ng * G;
+    int64_t elt = fmt == KV_INT8 ? 1 : fmt == KV_BF16 ? 2 : 4, span = ng * D * elt;
+    const char *vc = (const char *)L->v_cache;
+    float mx[ROW_HEADS_MAX], inv[ROW_HEADS_MAX], p[ATTN_GROUP * KEY_RUN];
+    score_pass(m, L, q, table, n_ctx, g0, ng, scores, sstride, mx, G, fmt);
+    for (int64_t h = 0; h < H; h++) inv[h] = 1.0f / ms_exp_shifted(scores + h * sstride, n_ctx, mx[h]);
+    memset(out, 0, H * D * sizeof(float));
+    int64_t blk = 0, off = 0, pblk = KV_PREFETCH_KEYS / bs, poff = KV_PREFETCH_KEYS % bs;
+    for (int64_t t = 0; t < n_ctx; t += KEY_RUN) {
+        int n = n_ctx - t < KEY_RUN ? (int)(n_ctx - t) : KEY_RUN;
+        int64_t slots[KEY_RUN], ents[KEY_RUN];
+        for (int j = 0; j < n; j++) {
+            slots[j] = table[blk] * bs + off;
+            if (t + j + KV_PREFETCH_KEYS < n_ctx)
+                prefetch_span(vc + ((table[pblk] * bs + poff) * Hkv + g0) * D * elt, span);
+            if (++off == bs) off = 0, blk++;
+            if (++poff == bs) poff = 0, pblk++;
+        }
+        for (int64_t g = 0; g < ng; g++) {
+            for (int j = 0; j < n; j++) {
+                ents[j] = slots[j] * Hkv + g0 + g;
+                float vs = fmt == KV_INT8 ? L->v_scales[ents[j]] : 1.0f;
+                for (int h = 0; h < G; h++) p[h * KEY_RUN + j] = scores[(g * G + h) * sstride + t + j] * vs;
+            }
+            value_key_run(vc, ents, n, p, D, out + g * G * D, G, fmt);
+        }
+    }
+    for (int64_t h = 0; h < H; h++)
         for (int64_t d = 0; d < D; d++) out[h * D + d] *= inv[h];
 }
 
@@ -185,70 +333,14 @@ attend_group(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64
 
 static void attend(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t *table,
                    int64_t n_ctx, int64_t kv_head, float *scores, int64_t sstride, float *out, int G) {
-#define ATTEND(g, f) attend_group(m, L, q, table, n_ctx, kv_head, scores, sstride, out, g, f)
+#define ATTEND(g, f) attend_heads(m, L, q, table, n_ctx, kv_head, 1, scores, sstride, out, g, f)
     WITH_CONSTANT_G_AND_FORMAT(ATTEND);
 #undef ATTEND
 }
 
-/* Every kv head of one row walks the keys together (the GQA groups of attend_group, one group per
- * kv head, G = query heads per kv head). A slot keeps its Hkv key vectors side by side, and a
- * block's slots follow each other, so the row reads each block of K (then of V) as one forward
- * stream; one work item per (row, kv head) reads the same bytes as Hkv walks at a stride of
- * Hkv * D, each taking a third of every line group (SmolLM2-135M), which the hardware prefetcher
- * follows poorly. Same arithmetic per head, in the same order, as attend_group: the same bits.
- * Measured on the AVX2 EPYC (2026-12-05, two threads, fp32 KV, batch 16, medians of 24 steps,
- * three alternating runs, /tmp scratch around FusedDecoder.step_profile): attention 31-34 -> 25-28
- * ms a step at 300 tokens, 88-102 -> 70-78 ms at 1000 (before each pass prefetched its own). */
-static inline __attribute__((always_inline)) void
-attend_row_group(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t *table,
-                 int64_t n_ctx, float *scores, int64_t sstride, float *out, const int G,
-                 const int fmt) {
-    int64_t bs = m->block_size, Hkv = m->num_kv_heads, D = m->head_dim, H = Hkv * G;
-    int64_t elt = fmt == KV_INT8 ? 1 : fmt == KV_BF16 ? 2 : 4, slot_bytes = Hkv * D * elt;
-    const char *kc = (const char *)L->k_cache, *vc = (const char *)L->v_cache;
-    float mx[ROW_HEADS_MAX], s[ATTN_GROUP];
-    for (int64_t h = 0; h < H; h++) mx[h] = -INFINITY;
-    int64_t blk = 0, off = 0, pblk = KV_PREFETCH_KEYS / bs, poff = KV_PREFETCH_KEYS % bs;
-    for (int64_t t = 0; t < n_ctx; t++) {
-        int64_t slot = table[blk] * bs + off;
-        if (t + KV_PREFETCH_KEYS < n_ctx)
-            prefetch_span(kc + (table[pblk] * bs + poff) * slot_bytes, slot_bytes);
-        for (int64_t g = 0; g < Hkv; g++) {
-            int64_t e = slot * Hkv + g;
-            key_dots(kc + e * D * elt, q + g * G * D, D, G, fmt, s);
-            float scale = fmt == KV_INT8 ? m->scale * L->k_scales[e] : m->scale;
-            for (int h = 0; h < G; h++) {
-                float v = scores[(g * G + h) * sstride + t] = s[h] * scale;
-                mx[g * G + h] = v > mx[g * G + h] ? v : mx[g * G + h];
-            }
-        }
-        if (++off == bs) off = 0, blk++;
-        if (++poff == bs) poff = 0, pblk++;
-    }
-    float inv[ROW_HEADS_MAX];
-    for (int64_t h = 0; h < H; h++) inv[h] = 1.0f / ms_exp_shifted(scores + h * sstride, n_ctx, mx[h]);
-    memset(out, 0, H * D * sizeof(float));
-    blk = off = 0, pblk = KV_PREFETCH_KEYS / bs, poff = KV_PREFETCH_KEYS % bs;
-    for (int64_t t = 0; t < n_ctx; t++) {
-        int64_t slot = table[blk] * bs + off;
-        if (t + KV_PREFETCH_KEYS < n_ctx)
-            prefetch_span(vc + (table[pblk] * bs + poff) * slot_bytes, slot_bytes);
-        if (++poff == bs) poff = 0, pblk++;
-        for (int64_t g = 0; g < Hkv; g++) {
-            int64_t e = slot * Hkv + g;
-            float vs = fmt == KV_INT8 ? L->v_scales[e] : 1.0f;
-            for (int h = 0; h < G; h++) s[h] = scores[(g * G + h) * sstride + t] * vs;
-            value_sums(vc + e * D * elt, s, D, G, fmt, out + g * G * D);
-        }
-        if (++off == bs) off = 0, blk++;
-    }
-    for (int64_t h = 0; h < H; h++)
-        for (int64_t d = 0; d < D; d++) out[h * D + d] *= inv[h];
-}
-
 static void attend_row(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t *table,
                        int64_t n_ctx, float *scores, int64_t sstride, float *out, int G) {
-#define ATTEND(g, f) attend_row_group(m, L, q, table, n_ctx, scores, sstride, out, g, f)
+#define ATTEND(g, f) attend_heads(m, L, q, table, n_ctx, 0, m->num_kv_heads, scores, sstride, out, g, f)
     WITH_CONSTANT_G_AND_FORMAT(ATTEND);
 #undef ATTEND
 }
@@ -256,40 +348,48 @@ static void attend_row(const ModelPtrs *m, const LayerPtrs *L, const float *q, c
 /* RoPE on q and k, every row's new k/v written to its slot, then every (row, head) attends.
  * Two phases on purpose: ALL rows' K/V of this layer are in the cache before ANY row attends, so
  * row j of a sequence (position c + j) finds rows 0..j-1 of the same step among its keys 0..c+j,
- * exactly as the PyTorch path writes the cache first and masks causally. (Writing inside the
- * parallel loop would race: row j could read row j-1's slot before that row's thread wrote it.) */
+ * exactly as the PyTorch path writes the cache first and masks causally. The barrier between
+ * the two loops is that guarantee. (Writing inside the attention loop would race: row j could
+ * read row j-1's slot before that row's thread wrote it.) Phase 1 is split over the team too:
+ * every row writes its own slot. Serial, it left one core spinning while the other rotated and
+ * wrote 16 rows, in each of 30 layers (perf, Intel Xeon, batch 16). */
 static void attention_block(const ModelPtrs *m, const LayerPtrs *L, const Scratch *s, int64_t B,
                             const int64_t *positions, const int64_t *tables, int64_t table_stride,
                             int nthreads) {
     int64_t H = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim, bs = m->block_size;
     int64_t qkv_dim = (H + 2 * Hkv) * D;
-    for (int64_t b = 0; b < B; b++) {   /* phase 1, serial: writes never race */
-        float *row = s->qkv + b * qkv_dim;
-        int64_t pos = positions[b];
-        rope(row, H + Hkv, D, m->cos + pos * D, m->sin_signed + pos * D);  /* q and k heads adjoin */
-        write_kv(m, L, tables[b * table_stride + pos / bs] * bs + pos % bs, row + H * D,
-                 row + (H + Hkv) * D);
-    }
-    /* phase 2, reads only. Rows enough to keep every thread busy (ROW_ITEMS_PER_THREAD each), and
+    /* phase 2 reads only. Rows enough to keep every thread busy (ROW_ITEMS_PER_THREAD each), and
      * each kv head's query heads one group: one work item per row, every kv head together
-     * (attend_row_group says why); dynamic, as rows' contexts differ. Else one work item per
+     * (attend_heads says why); dynamic, as rows' contexts differ. Else one work item per
      * (row, kv head, group of its query heads). */
     int64_t per_kv = H / Hkv, passes = (per_kv + ATTN_GROUP - 1) / ATTN_GROUP;
-    if (per_kv <= ATTN_GROUP && H <= ROW_HEADS_MAX && B >= ROW_ITEMS_PER_THREAD * nthreads) {
-        #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-        for (int64_t b = 0; b < B; b++)
-            attend_row(m, L, s->qkv + b * qkv_dim, tables + b * table_stride, positions[b] + 1,
-                       s->scores + b * H * s->scores_stride, s->scores_stride, s->attn + b * H * D,
-                       (int)per_kv);
-        return;
-    }
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t item = 0; item < B * Hkv * passes; item++) {
-        int64_t b = item / (Hkv * passes), g = item / passes % Hkv, pass = item % passes;
-        int64_t h = g * per_kv + pass * ATTN_GROUP;   /* the pass's first query head */
-        int G = (int)(per_kv - pass * ATTN_GROUP < ATTN_GROUP ? per_kv - pass * ATTN_GROUP : ATTN_GROUP);
-        attend(m, L, s->qkv + b * qkv_dim + h * D, tables + b * table_stride, positions[b] + 1, g,
-               s->scores + (b * H + h) * s->scores_stride, s->scores_stride,
-               s->attn + b * H * D + h * D, G);
+    int row_wide = per_kv <= ATTN_GROUP && H <= ROW_HEADS_MAX && B >= ROW_ITEMS_PER_THREAD * nthreads;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {   /* phase 1; the loop's end is a barrier */
+            float *row = s->qkv + b * qkv_dim;
+            int64_t pos = positions[b];
+            rope(row, H + Hkv, D, m->cos + pos * D, m->sin_signed + pos * D);  /* q and k heads adjoin */
+            write_kv(m, L, tables[b * table_stride + pos / bs] * bs + pos % bs, row + H * D,
+                     row + (H + Hkv) * D);
+        }
+        if (row_wide) {
+            #pragma omp for schedule(dynamic, 1) nowait
+            for (int64_t b = 0; b < B; b++)
+                attend_row(m, L, s->qkv + b * qkv_dim, tables + b * table_stride, positions[b] + 1,
+                           s->scores + b * H * s->scores_stride, s->scores_stride, s->attn + b * H * D,
+                           (int)per_kv);
+        } else {
+            #pragma omp for schedule(static) nowait
+            for (int64_t item = 0; item < B * Hkv * passes; item++) {
+                int64_t b = item / (Hkv * passes), g = item / passes % Hkv, pass = item % passes;
+                int64_t h = g * per_kv + pass * ATTN_GROUP;   /* the pass's first query head */
+                int G = (int)(per_kv - pass * ATTN_GROUP < ATTN_GROUP ? per_kv - pass * ATTN_GROUP : ATTN_GROUP);
+                attend(m, L, s->qkv + b * qkv_dim + h * D, tables + b * table_stride, positions[b] + 1, g,
+                       s->scores + (b * H + h) * s->scores_stride, s->scores_stride,
+                       s->attn + b * H * D + h * D, G);
+            }
+        }
     }
 }
