@@ -63,11 +63,6 @@ static inline void prefetch_span(const char *p, int64_t bytes) {   /* every cach
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
 }
 
-static inline void prefetch_entry(const ModelPtrs *m, const void *cache, int64_t e) {
-    int64_t bytes = m->head_dim * (m->kv_format == KV_INT8 ? 1 : m->kv_format == KV_BF16 ? 2 : 4);
-    prefetch_span((const char *)cache + e * bytes, bytes);
-}
-
 /* The query heads that share a kv head (GQA: SmolLM2-135M has 3 per kv head) attend together:
  * each key and value vector is read once for all of them, not once per head. ATTN_GROUP query
  * heads at most per pass; a model with more per kv head takes several passes. */
@@ -155,6 +150,30 @@ static inline dvec dvec_max(dvec mx, dvec v) {
 }
 #endif
 
+/* A walk over one row's keys through its block table: key t lives in block table[t / bs] at
+ * offset t % bs, followed with counters (block, offset), not divided out per key (a 64-bit
+ * division costs more than the key's dot product); a second pair of counters runs
+ * KV_PREFETCH_KEYS ahead. key_walk_run gives the slots of the next n keys and prefetches, for
+ * each, the span of `bytes` at `first` bytes into the slot that far ahead (the kv heads a pass
+ * reads sit side by side in a slot). */
+typedef struct { int64_t blk, off, pblk, poff; } KeyWalk;
+
+static inline KeyWalk key_walk(int64_t bs) {
+    return (KeyWalk){0, 0, KV_PREFETCH_KEYS / bs, KV_PREFETCH_KEYS % bs};
+}
+
+static inline __attribute__((always_inline)) void
+key_walk_run(KeyWalk *w, const int64_t *table, int64_t bs, int64_t t, int n, int64_t n_ctx,
+             const char *cache, int64_t slot_bytes, int64_t first, int64_t bytes, int64_t *slots) {
+    for (int j = 0; j < n; j++) {
+        slots[j] = table[w->blk] * bs + w->off;
+        if (t + j + KV_PREFETCH_KEYS < n_ctx)
+            prefetch_span(cache + (table[w->pblk] * bs + w->poff) * slot_bytes + first, bytes);
+        if (++w->off == bs) w->off = 0, w->blk++;
+        if (++w->poff == bs) w->poff = 0, w->pblk++;
+    }
+}
+
 /* DVEC_LANES keys (entries ents[j]: slot * Hkv + kv head) scored against the G heads at q:
  * scores[h * sstride + j] = kscale[j] * (q_h . k_j), exactly what key_dots and the scale give one
  * key at a time, and mxv[h] the lane-wise running max. */
@@ -185,17 +204,16 @@ score_key_lanes(const char *kc, const int64_t *ents, const float *q, const float
  * (g - g0) * G + h at q, D floats apart): scores[((g - g0) * G + h) * sstride + t] = scale * q . k
  * and mx[] each head's largest. Keys DVEC_LANES at a time (score_key_lanes) while whole groups
  * remain and D is a multiple of the width, then one at a time (key_dots); the same bits either
- * way. Key t lives in block table[t / bs] at offset t % bs: walked with counters (block, offset),
- * not divided out per key (a 64-bit division costs more than the key's dot product); the
- * entries KV_PREFETCH_KEYS ahead are prefetched as one span (a slot's kv heads sit side by side). */
+ * way. */
 static inline __attribute__((always_inline)) void
 score_pass(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t *table,
            int64_t n_ctx, int64_t g0, int64_t ng, float *scores, int64_t sstride, float *mx,
            const int G, const int fmt) {
     int64_t bs = m->block_size, Hkv = m->num_kv_heads, D = m->head_dim;
-    int64_t elt = fmt == KV_INT8 ? 1 : fmt == KV_BF16 ? 2 : 4, span = ng * D * elt;
+    int64_t elt = fmt == KV_INT8 ? 1 : fmt == KV_BF16 ? 2 : 4, t = 0;
+    int64_t slot_bytes = Hkv * D * elt, first = g0 * D * elt, span = ng * D * elt;
     const char *kc = (const char *)L->k_cache;
-    int64_t blk = 0, off = 0, pblk = KV_PREFETCH_KEYS / bs, poff = KV_PREFETCH_KEYS % bs, t = 0;
+    KeyWalk w = key_walk(bs);
     float s[ATTN_GROUP];
     for (int64_t h = 0; h < ng * G; h++) mx[h] = -INFINITY;
     if (D % DVEC_LANES == 0 && n_ctx >= DVEC_LANES) {
@@ -204,13 +222,7 @@ score_pass(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t
         for (; t + DVEC_LANES <= n_ctx; t += DVEC_LANES) {
             int64_t slots[DVEC_LANES], ents[DVEC_LANES];
             float ks[DVEC_LANES];
-            for (int j = 0; j < DVEC_LANES; j++) {
-                slots[j] = table[blk] * bs + off;
-                if (t + j + KV_PREFETCH_KEYS < n_ctx)
-                    prefetch_span(kc + ((table[pblk] * bs + poff) * Hkv + g0) * D * elt, span);
-                if (++off == bs) off = 0, blk++;
-                if (++poff == bs) poff = 0, pblk++;
-            }
+            key_walk_run(&w, table, bs, t, DVEC_LANES, n_ctx, kc, slot_bytes, first, span, slots);
             for (int64_t g = 0; g < ng; g++) {
                 for (int j = 0; j < DVEC_LANES; j++) {
                     ents[j] = slots[j] * Hkv + g0 + g;
@@ -224,9 +236,8 @@ score_pass(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t
             for (int j = 0; j < DVEC_LANES; j++) mx[h] = mxv[h][j] > mx[h] ? mxv[h][j] : mx[h];
     }
     for (; t < n_ctx; t++) {
-        int64_t slot = table[blk] * bs + off;
-        if (t + KV_PREFETCH_KEYS < n_ctx)
-            prefetch_span(kc + ((table[pblk] * bs + poff) * Hkv + g0) * D * elt, span);
+        int64_t slot;
+        key_walk_run(&w, table, bs, t, 1, n_ctx, kc, slot_bytes, first, span, &slot);
         for (int64_t g = 0; g < ng; g++) {
             int64_t e = slot * Hkv + g0 + g;
             key_dots(kc + e * D * elt, q + g * G * D, D, G, fmt, s);
@@ -236,8 +247,6 @@ score_pass(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t
                 mx[g * G + h] = v > mx[g * G + h] ? v : mx[g * G + h];
             }
         }
-        if (++off == bs) off = 0, blk++;
-        if (++poff == bs) poff = 0, pblk++;
     }
 }
 
@@ -287,23 +296,17 @@ attend_heads(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64
              int64_t n_ctx, int64_t g0, int64_t ng, float *scores, int64_t sstride, float *out,
              const int G, const int fmt) {
     int64_t bs = m->block_size, Hkv = m->num_kv_heads, D = m->head_dim, H = ng * G;
-    int64_t elt = fmt == KV_INT8 ? 1 : fmt == KV_BF16 ? 2 : 4, span = ng * D * elt;
+    int64_t elt = fmt == KV_INT8 ? 1 : fmt == KV_BF16 ? 2 : 4;
     const char *vc = (const char *)L->v_cache;
     float mx[ROW_HEADS_MAX], inv[ROW_HEADS_MAX], p[ATTN_GROUP * KEY_RUN];
     score_pass(m, L, q, table, n_ctx, g0, ng, scores, sstride, mx, G, fmt);
     for (int64_t h = 0; h < H; h++) inv[h] = 1.0f / ms_exp_shifted(scores + h * sstride, n_ctx, mx[h]);
     memset(out, 0, H * D * sizeof(float));
-    int64_t blk = 0, off = 0, pblk = KV_PREFETCH_KEYS / bs, poff = KV_PREFETCH_KEYS % bs;
+    KeyWalk w = key_walk(bs);
     for (int64_t t = 0; t < n_ctx; t += KEY_RUN) {
         int n = n_ctx - t < KEY_RUN ? (int)(n_ctx - t) : KEY_RUN;
         int64_t slots[KEY_RUN], ents[KEY_RUN];
-        for (int j = 0; j < n; j++) {
-            slots[j] = table[blk] * bs + off;
-            if (t + j + KV_PREFETCH_KEYS < n_ctx)
-                prefetch_span(vc + ((table[pblk] * bs + poff) * Hkv + g0) * D * elt, span);
-            if (++off == bs) off = 0, blk++;
-            if (++poff == bs) poff = 0, pblk++;
-        }
+        key_walk_run(&w, table, bs, t, n, n_ctx, vc, Hkv * D * elt, g0 * D * elt, ng * D * elt, slots);
         for (int64_t g = 0; g < ng; g++) {
             for (int j = 0; j < n; j++) {
                 ents[j] = slots[j] * Hkv + g0 + g;
