@@ -105,14 +105,20 @@ static void amx_pack_inputs(const float *x, int64_t B, int64_t in, uint16_t *hi,
  * compile-time constant at each call) and the n packed input rows of one group (hi, lo from
  * amx_pack_inputs, at the group's offset); the tiles are configured for n. Two weight tiles per
  * pass share each load of the inputs' halves (one scratch timing of a SmolLM2-135M step's 121
- * products at 16 rows, 2026-12-03: 25-28 ms against 31-37 with one tile per pass). */
+ * products at 16 rows, 2026-12-03: 25-28 ms against 31-37 with one tile per pass). While a pass
+ * multiplies, it prefetches the same columns of the next_rows rows that follow its own (the next
+ * pass's weights, 32 lines per column block): left to the hardware, 32 rows read side by side
+ * streamed at ~16 GB/s; with it a batch-16 bf16 step's products took 14.2-14.6 ms against
+ * 17.3-18.1 (alternating runs on a slow phase of the Intel Xeon, 2026-12-05, step_profile). */
 static inline __attribute__((always_inline)) void
 amx_tile_rows(const uint16_t *W, int64_t in, int64_t r, const uint16_t *hi, const uint16_t *lo,
-              int n, float *y, int64_t ldy, int accumulate, const int tiles) {
+              int n, float *y, int64_t ldy, int accumulate, const int tiles, int64_t next_rows) {
     float c[AMX_ROWS][AMX_MAX_N];
     _tile_zero(0);
     if (tiles == 2) _tile_zero(4);
+    const uint16_t *next = W + (r + tiles * AMX_ROWS) * in;
     for (int64_t t = 0; t < in / AMX_K; t++) {
+        for (int64_t i = 0; i < next_rows; i++) __builtin_prefetch(next + i * in + t * AMX_K);
         _tile_loadd(2, hi + t * AMX_K * n, n * 4);
         _tile_loadd(3, lo + t * AMX_K * n, n * 4);
         _tile_loadd(1, W + r * in + t * AMX_K, in * 2);
@@ -153,8 +159,10 @@ static int64_t amx_matmul(const uint16_t *W, const float *bias, const float *x, 
                 if (n != configured) amx_configure(configured = n);
                 int64_t r = 2 * p * AMX_ROWS;
                 const uint16_t *gh = hi + g0 * in, *gl = lo + g0 * in;
-                if (2 * p + 1 < tiles) amx_tile_rows(W, in, r, gh, gl, n, y + g0 * out, out, accumulate, 2);
-                else amx_tile_rows(W, in, r, gh, gl, n, y + g0 * out, out, accumulate, 1);
+                int64_t ahead = g0 ? 0 : out - r - 2 * AMX_ROWS;   /* the next pair's rows, first pass */
+                ahead = ahead < 0 ? 0 : ahead > 2 * AMX_ROWS ? 2 * AMX_ROWS : ahead;
+                if (2 * p + 1 < tiles) amx_tile_rows(W, in, r, gh, gl, n, y + g0 * out, out, accumulate, 2, ahead);
+                else amx_tile_rows(W, in, r, gh, gl, n, y + g0 * out, out, accumulate, 1, 0);
             }
         if (configured) _tile_release();
     }
