@@ -56,12 +56,13 @@
 #define DENSE_ROW_BLOCK 3
 #define DENSE_BATCH_PASS 4
 #endif
-/* How far ahead of the weight stream the first pass prefetches, in bytes. 1 KiB left bf16 weights
- * at ~23 GB/s where float32 reached ~31; 2 KiB took the Intel Xeon's batch-1 products from
- * 12.5-13.9 to 8.0-9.2 ms a step in bf16 and from 16.3-18.3 to 14.2-14.5 in float32
- * (FusedDecoder.step_profile, alternating runs, 2026-12-05); 4 KiB measured as 2 in bf16, and at
- * 16 rows the distance made no difference. */
-#define PREFETCH_BYTES 2048
+/* How far ahead of the weight stream the first pass prefetches, in bytes, by format. At 1 KiB bf16
+ * weights streamed at ~23 GB/s where float32 reached ~31; 2 KiB took the Intel Xeon's bf16 batch-1
+ * products from 12.5-13.9 to 8.0-9.2 ms a step (4 KiB measured as 2). float32 stays at 1 KiB: 2
+ * gained ~4 % at 1 row and lost 15 % at 4 rows (15.7-16.3 -> 17.7-18.5 ms). FusedDecoder.
+ * step_profile, alternating runs, 2026-12-05. */
+#define PREFETCH_BYTES_F32 1024
+#define PREFETCH_BYTES_BF16 2048
 
 /* How a matrix is stored: the Python side sets format from the layer's descriptor and checks every
  * tensor's dtype and shape against it, so the kernel never reads a buffer as another type. */
@@ -275,7 +276,7 @@ static int64_t dense_matmul(const void *W, const float *bias, const float *x, fl
                  * prefetches the next tile, which the first pass then finds in cache (batch 16,
                  * AVX2-only EPYC: the step's products 65 -> 59.5 ms). */
                 int64_t elt = bf16 ? 2 : 4, pf = 0;
-                if (b == 0) pf = PREFETCH_BYTES;
+                if (b == 0) pf = bf16 ? PREFETCH_BYTES_BF16 : PREFETCH_BYTES_F32;
                 else if (b == DENSE_BATCH_PASS && t + 1 < tiles) pf = ROW_TILE * in * elt;
                 /* a constant nb and format per case: the loops unroll into registers */
 #define CASE(n) case n: if (bf16) dot_rows(W, in, r0, r1, xb, in, yb, out, n, accumulate, 1, pf); \
