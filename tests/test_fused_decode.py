@@ -48,14 +48,28 @@ def _scattered_tables(contexts: list[int], num_blocks: int, block_size: int, see
 def test_fused_step_matches_torch_forward(variant, contexts, tmp_path):
     path = write_tiny_model(tmp_path / variant, seed=5, tokenizer_dir=_smollm2_tokenizer_dir(),
                             overrides=VARIANTS[variant])
-    llm = LLM(str(path), num_kv_blocks=128, fused_decode=True, max_model_len=1024, device="cpu")
+    _check_fused_step_against_torch(path, contexts, block_size=16)
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_fused_step_matches_torch_forward_at_other_block_sizes(block_size, tmp_path):
+    """Attention walks keys in runs of a vector's width (16 floats on AVX-512, 8 on AVX2): with
+    8-slot blocks a run spans two blocks, with 32-slot blocks a block holds two runs."""
+    path = write_tiny_model(tmp_path / "llama", seed=5, tokenizer_dir=_smollm2_tokenizer_dir())
+    _check_fused_step_against_torch(path, WIDE_CONTEXTS, block_size=block_size)
+
+
+def _check_fused_step_against_torch(path, contexts: list[int], block_size: int) -> None:
+    llm = LLM(str(path), num_kv_blocks=128 * 16 // block_size, block_size=block_size, fused_decode=True,
+              max_model_len=1024, device="cpu")
     runner = llm.llm_engine.runner
     bs = runner.block_size
     torch.manual_seed(0)
     for k, v in runner.kv_caches:  # a populated cache: random keys/values as earlier steps left them
         k.normal_()
         v.normal_()
-    tables = _scattered_tables(contexts, 128, bs, seed=1)
+    assert bs == block_size
+    tables = _scattered_tables(contexts, 128 * 16 // bs, bs, seed=1)
     meta = build_attention_metadata([1] * len(contexts), contexts, tables, bs)
     ids, pos = torch.tensor([17, 4000, 123, 9, 77, 2048, 5, 300, 31][:len(contexts)]), torch.tensor(contexts)
     rows = torch.tensor([2, 0])  # logits for a subset of the rows, in another order
