@@ -107,9 +107,10 @@ static void amx_pack_inputs(const float *x, int64_t B, int64_t in, uint16_t *hi,
  * pass share each load of the inputs' halves (one scratch timing of a SmolLM2-135M step's 121
  * products at 16 rows, 2026-12-03: 25-28 ms against 31-37 with one tile per pass). While a pass
  * multiplies, it prefetches the same columns of the next_rows rows that follow its own (the next
- * pass's weights, 32 lines per column block): left to the hardware, 32 rows read side by side
- * streamed at ~16 GB/s; with it a batch-16 bf16 step's products took 14.2-14.6 ms against
- * 17.3-18.1 (alternating runs on a slow phase of the Intel Xeon, 2026-12-05, step_profile). */
+ * pass's weights, 32 lines per column block): 32 rows read side by side are 32 streams, more
+ * than the hardware prefetcher follows. With it a batch-16 bf16 step's products took 14.2-14.6 ms
+ * against 17.3-18.1 (alternating runs on a slow phase of the Intel Xeon, 2026-12-05,
+ * step_profile). */
 static inline __attribute__((always_inline)) void
 amx_tile_rows(const uint16_t *W, int64_t in, int64_t r, const uint16_t *hi, const uint16_t *lo,
               int n, float *y, int64_t ldy, int accumulate, const int tiles, int64_t next_rows) {
