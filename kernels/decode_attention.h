@@ -72,6 +72,9 @@ static inline void prefetch_span(const char *p, int64_t bytes) {   /* every cach
 #define ROW_HEADS_MAX 128
 #define ROW_ITEMS_PER_THREAD 4
 
+/* Bytes per cached K or V element in the cache's format. */
+static inline int64_t kv_elt(const int fmt) { return fmt == KV_INT8 ? 1 : fmt == KV_BF16 ? 2 : 4; }
+
 /* Element i.. of a cached K or V vector as floats, in the cache's format (int8: the codes; the
  * caller applies the vector's scale). fmt and G below are constants at every call. */
 static inline __attribute__((always_inline)) dvec kv_load(const void *v, int64_t i, const int fmt) {
@@ -180,7 +183,7 @@ key_walk_run(KeyWalk *w, const int64_t *table, int64_t bs, int64_t t, int n, int
 static inline __attribute__((always_inline)) void
 score_key_lanes(const char *kc, const int64_t *ents, const float *q, const float *kscale, int64_t D,
                 float *scores, int64_t sstride, dvec *mxv, const int G, const int fmt) {
-    const int64_t elt = fmt == KV_INT8 ? 1 : fmt == KV_BF16 ? 2 : 4;
+    const int64_t elt = kv_elt(fmt);
     dvec part[ATTN_GROUP][DVEC_LANES];
     for (int j = 0; j < DVEC_LANES; j++) {
         const char *k = kc + ents[j] * D * elt;
@@ -210,7 +213,7 @@ score_pass(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t
            int64_t n_ctx, int64_t g0, int64_t ng, float *scores, int64_t sstride, float *mx,
            const int G, const int fmt) {
     int64_t bs = m->block_size, Hkv = m->num_kv_heads, D = m->head_dim;
-    int64_t elt = fmt == KV_INT8 ? 1 : fmt == KV_BF16 ? 2 : 4, t = 0;
+    int64_t elt = kv_elt(fmt), t = 0;
     int64_t slot_bytes = Hkv * D * elt, first = g0 * D * elt, span = ng * D * elt;
     const char *kc = (const char *)L->k_cache;
     KeyWalk w = key_walk(bs);
@@ -258,7 +261,7 @@ score_pass(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t
 static inline __attribute__((always_inline)) void
 value_key_run(const char *vc, const int64_t *ents, int n, const float *p, int64_t D, float *out,
               const int G, const int fmt) {
-    const int64_t elt = fmt == KV_INT8 ? 1 : fmt == KV_BF16 ? 2 : 4;
+    const int64_t elt = kv_elt(fmt);
     int64_t i = 0;
     for (; i + DVEC_LANES <= D; i += DVEC_LANES) {
         dvec acc[ATTN_GROUP];
@@ -296,7 +299,7 @@ attend_heads(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64
              int64_t n_ctx, int64_t g0, int64_t ng, float *scores, int64_t sstride, float *out,
              const int G, const int fmt) {
     int64_t bs = m->block_size, Hkv = m->num_kv_heads, D = m->head_dim, H = ng * G;
-    int64_t elt = fmt == KV_INT8 ? 1 : fmt == KV_BF16 ? 2 : 4;
+    int64_t elt = kv_elt(fmt);
     const char *vc = (const char *)L->v_cache;
     float mx[ROW_HEADS_MAX], inv[ROW_HEADS_MAX], p[ATTN_GROUP * KEY_RUN];
     score_pass(m, L, q, table, n_ctx, g0, ng, scores, sstride, mx, G, fmt);
