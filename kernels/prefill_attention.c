@@ -19,6 +19,7 @@
  * query blocks see more keys.
  */
 #define _POSIX_C_SOURCE 200112L   /* posix_memalign under -std=c11 */
+#define _DEFAULT_SOURCE           /* syscall (amx_bf16.h asks Linux for the AMX tile state) */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -228,6 +229,8 @@ static int alloc_buffers(Buffers *b, int64_t G, int64_t D) {
     b->alpha = f;
     return 1;
 }
+
+#include "prefill_attention_amx.h"   /* bf16 on AMX tiles: ms_prefill_attention_bf16 */
 
 /* The exported entry: 0 on success, -1 for shapes this file does not take (the caller falls back
  * to PyTorch's SDPA), -2 when a thread could not allocate its buffers. nthreads <= 0: the caller's

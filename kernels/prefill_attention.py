@@ -6,9 +6,10 @@ CPU flash SDPA runs them at about a quarter of this CPU's FMA rate; the C kernel
 attention with register-blocked products and the keys transposed once, about twice as fast
 (benchmarks/bench_roofline.py's kernel table).
 
-:func:`prefill_attention` returns None whenever the kernel does not apply (not float32, a head
-size that is not a multiple of 64, a short chunk, no compiler; bfloat16 is widened to float32), and the caller then runs SDPA: the
-two compute the same attention up to float rounding (tests/test_prefill_attention.py).
+:func:`prefill_attention` returns None whenever the kernel does not apply (neither float32 nor
+bfloat16, a head size that is not a multiple of 64, a short chunk, no compiler), and the caller then
+runs SDPA: the two compute the same attention up to rounding (tests/test_prefill_attention.py).
+bfloat16 runs on AMX tiles where the CPU has them, and is widened to float32 elsewhere (below).
 ``MINSERVE_PREFILL_ATTENTION=sdpa`` turns the kernel off; ``=c`` (the default) uses it where it applies.
 """
 
@@ -20,25 +21,39 @@ import functools
 import torch
 
 from minserve.kernels.build import KernelUnavailable, cpu_flags, env_choice, load
+from minserve.kernels.decode import amx_wanted
 
 # Below this many queries a chunk is a decode or a verification step, where SDPA's fixed cost is
 # small and the C kernel's per-call work (transposing every key) is not repaid.
 MIN_QUERY_LEN = 16
 CHOICES = ("c", "sdpa")
-# bfloat16 queries (a dtype="bfloat16" engine) are widened to float32 for the kernel and the output
-# rounded back: without AMX, PyTorch's bf16 SDPA is no faster than its fp32 one, and float32 sums are
-# the more accurate of the two. With AMX (bf16 tile products), PyTorch's bf16 flash SDPA multiplies
-# on the tiles: 357 GFLOP/s against this kernel's 147 on 1024 causal tokens (bench_roofline.py's
-# kernel table on the Intel Xeon host, 2026-12-03), so there bf16 goes to SDPA.
+# bfloat16 queries (a dtype="bfloat16" engine): on a CPU with AMX, both products run on its tiles
+# (kernels/prefill_attention_amx.h; bf16 products summed in float32, the softmax in float32). Elsewhere
+# they are widened to float32 for this kernel and the output rounded back: without AMX, PyTorch's
+# bf16 SDPA is no faster than its fp32 one, and float32 sums are the more accurate of the two. With
+# AMX but its tiles turned off (MINSERVE_AMX=off), bf16 goes to PyTorch's SDPA, which multiplies on
+# the tiles itself (357 GFLOP/s against the float32 kernel's 147 on 1024 causal tokens,
+# bench_roofline.py's kernel table on the Intel Xeon host, 2026-12-03).
 INPUT_DTYPES = (torch.float32, torch.bfloat16)
 _f32p = ctypes.POINTER(ctypes.c_float)
+_u16p = ctypes.POINTER(ctypes.c_uint16)
 _I64 = ctypes.c_int64
 
 
 @functools.cache
 def _routes_bf16_here() -> bool:
-    """Whether bf16 chunks are better off in this kernel than in SDPA on this CPU (no AMX)."""
-    return "amx_bf16" not in cpu_flags()
+    """Whether bf16 chunks are better off in this file's kernels than in SDPA on this CPU: on the
+    AMX tiles where it has them and they are on, widened to float32 where it has none."""
+    return tiles_on() or "amx_bf16" not in cpu_flags()
+
+
+@functools.cache
+def tiles_on() -> bool:
+    """Whether bf16 chunks run on AMX tiles here: the CPU has them, ``MINSERVE_AMX`` is not "off",
+    and Linux granted this process the tile state."""
+    lib = _library()
+    return (lib is not None and "amx_bf16" in cpu_flags() and amx_wanted()
+            and lib.ms_prefill_attention_amx() == 1)
 
 
 def choice() -> str:
@@ -53,6 +68,8 @@ def _library() -> ctypes.CDLL | None:
     except KernelUnavailable:
         return None   # no compiler or a failed build: SDPA, as before the kernel existed
     lib.ms_prefill_attention.restype = _I64
+    lib.ms_prefill_attention_bf16.restype = _I64
+    lib.ms_prefill_attention_amx.restype = _I64
     return lib
 
 
@@ -79,13 +96,20 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     if keys.shape != (L, Hkv, D) or values.shape != keys.shape or L < T or H % Hkv:
         raise ValueError(f"prefill_attention: q {tuple(q.shape)}, keys {tuple(keys.shape)}, "
                          f"values {tuple(values.shape)}: want [T, H, D] and [L >= T, Hkv | H, D]")
-    # Named locals: the C call reads raw pointers, so every tensor must outlive it.
-    qc, kc, vc = (t.to(torch.float32).contiguous() for t in (q, keys, values))
+    if q.dtype is torch.bfloat16 and tiles_on():
+        return _call(_library().ms_prefill_attention_bf16, _u16p, (q, keys, values), T, H, Hkv, D, L,
+                     scale, num_threads)
+    out = _call(_library().ms_prefill_attention, _f32p, (q.float(), keys.float(), values.float()),
+                T, H, Hkv, D, L, scale, num_threads)
+    return out if out is None or q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def _call(entry, pointer, tensors, T, H, Hkv, D, L, scale, num_threads) -> torch.Tensor | None:
+    """One C entry on contiguous copies of q, k, v (kept alive by the names below: the call reads
+    raw pointers); its output [T, H, D] in their dtype, or None when it declined."""
+    qc, kc, vc = (t.contiguous() for t in tensors)
     out = torch.empty_like(qc)
-    ptr = lambda t: ctypes.cast(t.data_ptr(), _f32p)  # noqa: E731
-    rc = _library().ms_prefill_attention(ptr(qc), ptr(kc), ptr(vc), ptr(out), _I64(T), _I64(H),
-                                         _I64(Hkv), _I64(D), _I64(L - T), ctypes.c_float(scale),
-                                         _I64(max(0, int(num_threads))))
-    if rc != 0:   # -1: shapes it does not take; -2: out of memory
-        return None
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
+    ptr = lambda t: ctypes.cast(t.data_ptr(), pointer)  # noqa: E731
+    rc = entry(ptr(qc), ptr(kc), ptr(vc), ptr(out), _I64(T), _I64(H), _I64(Hkv), _I64(D), _I64(L - T),
+               ctypes.c_float(scale), _I64(max(0, int(num_threads))))
+    return out if rc == 0 else None   # -1: shapes it does not take; -2: out of memory

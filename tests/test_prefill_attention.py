@@ -46,7 +46,8 @@ def test_large_scores_do_not_overflow():
     torch.testing.assert_close(out, _reference(q, k, v, 1.0), rtol=1e-4, atol=1e-4)
 
 
-def test_bfloat16_inputs_are_attended_in_float32():
+def test_bfloat16_inputs_are_attended_in_float32(monkeypatch):
+    monkeypatch.setattr(pa, "tiles_on", lambda: False)   # the widened path, AMX or not
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(48, 4, 64, generator=g).to(torch.bfloat16) for _ in range(3))
     out = pa.prefill_attention(q, k, v, 0.125)
@@ -57,10 +58,14 @@ def test_bfloat16_inputs_are_attended_in_float32():
     torch.testing.assert_close(out, expected, rtol=2 ** -8, atol=1e-5)
 
 
-@pytest.mark.parametrize("flags,routed", [({"avx512f", "avx512_bf16"}, True),
-                                          ({"avx512f", "amx_tile", "amx_bf16"}, False)])
-def test_bfloat16_chunks_go_to_sdpa_where_the_cpu_has_amx(monkeypatch, flags, routed):
+@pytest.mark.parametrize("flags,tiles,routed", [({"avx512f", "avx512_bf16"}, False, True),
+                                                ({"avx512f", "amx_tile", "amx_bf16"}, True, True),
+                                                ({"avx512f", "amx_tile", "amx_bf16"}, False, False)])
+def test_bfloat16_chunks_go_to_sdpa_only_where_amx_is_there_but_off(monkeypatch, flags, tiles, routed):
+    """No AMX: widened to float32 here. AMX and its tiles on: here, on the tiles. AMX with the
+    tiles off (MINSERVE_AMX=off): PyTorch's SDPA, which multiplies on them itself."""
     monkeypatch.setattr(pa, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(pa, "tiles_on", lambda: tiles)
     pa._routes_bf16_here.cache_clear()
     try:
         q = torch.zeros(32, 4, 64, dtype=torch.bfloat16)
@@ -68,6 +73,37 @@ def test_bfloat16_chunks_go_to_sdpa_where_the_cpu_has_amx(monkeypatch, flags, ro
         assert pa.applies(q.float(), 64)          # float32 always takes the kernel
     finally:
         pa._routes_bf16_here.cache_clear()
+
+
+def test_amx_off_keeps_bfloat16_off_the_tiles(monkeypatch):
+    monkeypatch.setenv("MINSERVE_AMX", "off")
+    pa.tiles_on.cache_clear()
+    try:
+        assert pa.tiles_on() is False
+    finally:
+        pa.tiles_on.cache_clear()
+
+
+needs_tiles = pytest.mark.skipif(not pa.tiles_on(), reason="no AMX tiles on this CPU (or MINSERVE_AMX=off)")
+
+
+@needs_tiles
+@pytest.mark.parametrize("T,ctx,H,Hkv,D", SHAPES)
+def test_bfloat16_on_the_tiles_is_causal_attention(T, ctx, H, Hkv, D):
+    """bf16 x bf16 products summed in float32, probabilities rounded to bf16 before the second
+    product, the output rounded once: against float32 attention of the same bf16 inputs, each
+    output is off by at most two bf16 steps of the values it averages (the probabilities' rounding,
+    2^-9 relative each, and the queries' for D = 128) plus one of its own. A wrong mask, a packing
+    slip or a lost rescale is off by the values' own size."""
+    g = torch.Generator().manual_seed(T * 1000 + ctx + 7)
+    q, k, v = (torch.randn(n, h, D, generator=g).to(torch.bfloat16)
+               for n, h in ((T, H), (ctx + T, Hkv), (ctx + T, Hkv)))
+    out = pa.prefill_attention(q, k, v, D ** -0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == (T, H, D)
+    expected = _reference(q.float(), k.float(), v.float(), D ** -0.5)
+    torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=2 ** -7 * v.float().abs().max().item())
+    # and no bias: the errors average out over the outputs
+    assert (out.float() - expected).abs().mean() < 2 ** -9
 
 
 @pytest.mark.parametrize("case", ["short", "float16", "head_dim_80"])
@@ -89,7 +125,7 @@ def test_the_switch_is_checked(monkeypatch):
         pa.choice()
 
 
-def _greedy(monkeypatch, switch, prompts):
+def _greedy(monkeypatch, switch, prompts, **engine):
     monkeypatch.setenv("MINSERVE_PREFILL_ATTENTION", switch)
     calls = []
     inner = pa.prefill_attention
@@ -98,7 +134,7 @@ def _greedy(monkeypatch, switch, prompts):
     # A 64-token step budget: long prompts arrive in chunks, the later ones over cached context;
     # prefix caching makes the repeated prompt start from cached blocks.
     llm = LLM("smollm2-135m", max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory="64MiB",
-              enable_prefix_caching=True)
+              enable_prefix_caching=True, **engine)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
@@ -116,3 +152,20 @@ def test_the_engine_prefills_through_the_kernel_with_sdpa_s_outputs(monkeypatch)
     for (ids_c, lp_c), (ids_s, lp_s) in zip(with_c, with_sdpa):
         assert ids_c == ids_s
         torch.testing.assert_close(torch.tensor(lp_c), torch.tensor(lp_s), rtol=0, atol=2e-3)
+
+
+@needs_tiles
+def test_a_bfloat16_engine_prefills_on_the_tiles_with_sdpa_s_outputs(monkeypatch):
+    """The same prompts (chunked, over cached context) through a dtype="bfloat16" engine: the tiles
+    and PyTorch's bf16 SDPA pick the same tokens. A bf16 engine's log-probabilities move with any
+    change of summation order: on these prompts the tiles were 0.12 from SDPA's at most, while the
+    float32-widened attention was 0.59 from them and picked another token (2026-12-06)."""
+    g = torch.Generator().manual_seed(12)
+    base = torch.randint(100, 40000, (150,), generator=g).tolist()
+    prompts = [base, base[:40] + [9] * 30, torch.randint(100, 40000, (20,), generator=g).tolist(), base]
+    with_tiles, calls = _greedy(monkeypatch, "c", prompts, dtype="bfloat16")
+    with_sdpa, _ = _greedy(monkeypatch, "sdpa", prompts, dtype="bfloat16")
+    assert calls
+    for (ids_c, lp_c), (ids_s, lp_s) in zip(with_tiles, with_sdpa):
+        assert ids_c == ids_s
+        torch.testing.assert_close(torch.tensor(lp_c), torch.tensor(lp_s), rtol=0, atol=0.25)
