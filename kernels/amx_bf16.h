@@ -72,6 +72,16 @@ static void amx_configure(int n) {
     _tile_loadconfig(&cfg);
 }
 
+/* Every tile 16 rows x 64 bytes: the layout of the prefill kernels (bf16_gemm.c,
+ * prefill_attention_amx.h), whose operands are all whole tiles. */
+static inline void amx_configure_square(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
 /* x [B, in] (float32, in % 32 == 0) -> hi and lo [B * in] bf16 each, in the B tiles' pair layout:
  * input rows in groups of 16 (the last may be smaller), and within a group of n rows, for each
  * 32-column block t: 16 pair rows of n pairs, i.e. hi[g0 * in + (t * 16 + kk) * 2n + 2b + j] =

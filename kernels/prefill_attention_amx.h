@@ -33,14 +33,6 @@
 #ifdef HAVE_AMX_BF16
 #define PAIR_TILE 256      /* dwords in a B tile: 16 pair rows x 16 columns */
 
-static void amx_configure_square(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-    _tile_loadconfig(&cfg);
-}
-
 /* Keys g * 16 .. + 15 of kv head kvh -> D / 32 B tiles at kp: tile c, pair row kk, column n holds
  * K[16g + n][32c + 2kk], K[16g + n][32c + 2kk + 1] (one dword). Keys at or past L are zeros. */
 static void pack_keys(const uint16_t *k, int64_t L, int64_t ldkv, int64_t D, int64_t kvh, int64_t g,

@@ -1,7 +1,8 @@
 """minserve/models/gemm.py: the dense product behind every Linear on a CPU.
 
 float32 goes to oneDNN or MKL (the same product summed in another order); bfloat16 on a CPU without
-bf16 dot products goes through float32 tiles of the weight. Each route is checked against float64
+bf16 dot products goes through float32 tiles of the weight, and on a CPU with AMX products of 16-128
+rows go to its tiles (kernels/bf16_gemm.c). Each route is checked against float64
 arithmetic, with the rounding each format allows, and the routing itself (which rows go where).
 """
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minserve.kernels import bf16_gemm
 from minserve.models import gemm
 
 
@@ -66,9 +68,49 @@ def test_bf16_below_the_widening_rows_is_pytorchs_own_product(emulated_bf16):
 
 
 def test_bf16_with_native_dot_products_is_pytorchs_own_product(monkeypatch):
+    """Where the AMX kernel does not take the shape (40 outputs: not a multiple of 32)."""
     monkeypatch.setattr(gemm, "native_bf16", lambda: True)
     x, w, b = _inputs(gemm.WIDEN_MIN_ROWS + 8, 64, 40, torch.bfloat16)
     assert torch.equal(gemm.linear(x, w, b), F.linear(x, w, b))
+
+
+needs_tiles = pytest.mark.skipif(not (bf16_gemm.available() and gemm.native_bf16()),
+                                 reason="no AMX tiles on this CPU (or MINSERVE_AMX=off)")
+
+
+@needs_tiles
+@pytest.mark.parametrize("rows,in_features,out", [(16, 64, 32), (17, 96, 64), (33, 64, 96),
+                                                  (bf16_gemm.MAX_ROWS, 128, 64)])
+def test_bf16_on_amx_tiles_rounds_the_float32_sum_once(rows, in_features, out, monkeypatch):
+    """Token tails (17, 33: a block half padding), several weight blocks, the bias: each output
+    is the float64 product rounded once to bf16, up to float32 summation error."""
+    calls = []
+    inner = bf16_gemm.linear
+    monkeypatch.setattr(bf16_gemm, "linear", lambda *a: calls.append(a[0].shape) or inner(*a))
+    x, w, b = _inputs(rows, in_features, out, torch.bfloat16, seed=rows)
+    y = gemm.linear(x, w, b)
+    assert calls == [(rows, in_features)] and y.dtype == torch.bfloat16 and y.shape == (rows, out)
+    ref, mags = _exact(x, w, b.float().to(torch.bfloat16))
+    err = (y.double() - ref).abs()
+    assert (err <= 2.0 ** -8 * ref.abs() + in_features * 2.0 ** -24 * mags + 1e-30).all()
+
+
+@needs_tiles
+@pytest.mark.parametrize("rows", [bf16_gemm.MIN_ROWS - 1, bf16_gemm.MAX_ROWS + 1])
+def test_bf16_outside_the_tiles_rows_is_pytorchs_own_product(rows):
+    x, w, b = _inputs(rows, 64, 64, torch.bfloat16)
+    assert torch.equal(gemm.linear(x, w, b), F.linear(x, w, b))
+
+
+@needs_tiles
+def test_minserve_gemm_torch_keeps_bf16_off_the_tiles(monkeypatch):
+    monkeypatch.setenv("MINSERVE_GEMM", "torch")
+    gemm._requested.cache_clear()
+    try:
+        x, w, b = _inputs(32, 64, 64, torch.bfloat16)
+        assert torch.equal(gemm.linear(x, w, b), F.linear(x, w, b))
+    finally:
+        gemm._requested.cache_clear()
 
 
 def test_native_bf16_needs_the_cpus_bf16_instructions(monkeypatch):

@@ -19,6 +19,11 @@ Intel Xeon host (AVX-512, AMX; 2026-12-03), benchmarks/bench_roofline.py's kerne
 1024 rows MKL 276-294 and oneDNN 264-267 GFLOP/s over the model's matrices (MKL 1.04-1.11x), and at
 16 rows 84-116 against 81-87: there the default is MKL.
 
+bfloat16 products with bf16 dot products in the CPU go to ``F.linear`` (oneDNN), except that on a
+CPU with AMX those of 16 to 128 rows (mixed steps, their LM head, short prefill chunks) run on the
+tiles in kernels/bf16_gemm.c, which reads the weight as it lies where oneDNN reorders it on every
+call: 1.05-2.6x oneDNN's rate over SmolLM2's products there (kernels/bf16_gemm.py has the sweep).
+
 ``MINSERVE_GEMM=torch`` forces ``F.linear`` everywhere (to compare, or where oneDNN misbehaves);
 ``onednn`` uses oneDNN for every 2-D float32 CPU input; ``auto`` (the default) takes oneDNN except on
 an Intel CPU. A PyTorch without oneDNN (an ARM or a minimal build) falls back to ``F.linear`` by
@@ -43,6 +48,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from minserve.kernels import bf16_gemm
 from minserve.kernels.build import cpu_flags, cpu_info
 
 log = logging.getLogger("minserve")
@@ -59,7 +65,7 @@ WIDEN_TILE_BYTES = 2 * 1024 * 1024   # float32 weight rows per tile: written, th
 @functools.lru_cache(maxsize=None)
 def backend() -> str:
     """``onednn`` or ``torch``: what float32 CPU products use in this process (decided once)."""
-    wanted = os.environ.get("MINSERVE_GEMM", "auto").strip().lower() or "auto"
+    wanted = _requested()
     if wanted not in BACKENDS:
         raise ValueError(f"MINSERVE_GEMM must be one of {', '.join(BACKENDS)}, got {wanted!r}")
     if wanted == "auto":
@@ -85,10 +91,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     if x.dtype is torch.float32 and weight.dtype is torch.float32 and backend() == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
-    if (x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.shape[0] >= WIDEN_MIN_ROWS
-            and not native_bf16()):
-        return _widened_bf16(x, weight, bias)
+    if x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.shape[0] >= WIDEN_MIN_ROWS:
+        if not native_bf16():
+            return _widened_bf16(x, weight, bias)
+        if _requested() != "torch":
+            y = bf16_gemm.linear(x, weight, bias)   # AMX tiles where the CPU has them
+            if y is not None:
+                return y
     return F.linear(x, weight, bias)
+
+
+@functools.lru_cache(maxsize=None)
+def _requested() -> str:
+    return os.environ.get("MINSERVE_GEMM", "auto").strip().lower() or "auto"
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,62 @@
+"""bfloat16 products of many rows on AMX tiles (kernels/bf16_gemm.c), for the PyTorch path's
+``linear`` (minserve/models/gemm.py) in a dtype="bfloat16" engine.
+
+:func:`linear` returns None (the caller then runs ``F.linear``) unless the kernel applies: a CPU
+with AMX whose tile state Linux grants, ``MINSERVE_AMX`` not "off", bfloat16 input and weight on
+the CPU, ``MIN_ROWS`` to ``MAX_ROWS`` rows, input and output sizes that are multiples of 32, a
+compiler. Fewer rows: decode steps run in the fused step, and a lone row (a prefill's last token
+through the LM head) stays with oneDNN. More rows: oneDNN's own AMX product is as fast or faster
+there (its reorder of the weights is repaid), and this kernel is no faster than the tiles allow.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from minserve.kernels.build import KernelUnavailable, cpu_flags, load
+from minserve.kernels.decode import amx_wanted
+
+# The rows it takes. A scratch sweep over SmolLM2's products (576 -> 960 / 576 / 3072, 1536 -> 576,
+# the LM head 576 -> 49152) against bf16 F.linear on the Intel Xeon, 2026-12-06, GFLOP/s ratios:
+# 17 rows 1.1-2.0x, 32 rows 1.5-2.6x, 64 rows 1.4-2.0x, 128 rows 1.05-1.2x, 192 rows 0.89-1.01x,
+# 1024 rows 0.66-1.26x (this kernel 1.4-1.6 TFLOP/s, oneDNN 1.1-2.4). Below 16 a block is mostly
+# padding.
+MIN_ROWS, MAX_ROWS = 16, 128
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if "amx_bf16" not in cpu_flags() or not amx_wanted():
+        return None
+    try:
+        lib = load("bf16_gemm")
+    except KernelUnavailable:
+        return None
+    lib.ms_bf16_gemm.restype = _I
+    lib.ms_bf16_gemm.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
+    lib.ms_bf16_gemm_available.restype = _I
+    return lib if lib.ms_bf16_gemm_available() == 1 else None
+
+
+def available() -> bool:
+    """Whether bf16 products run on the tiles in this process."""
+    return _library() is not None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """bfloat16 ``x [T, in] @ weight.T + bias`` -> [T, out], or None when the kernel does not apply."""
+    T, out = x.shape[0], weight.shape[0]
+    if not (x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.dim() == 2
+            and MIN_ROWS <= T <= MAX_ROWS and x.shape[1] % 32 == 0 and out % 32 == 0 and weight.is_contiguous()
+            and x.device.type == "cpu" and weight.device.type == "cpu" and _library() is not None):
+        return None
+    xc = x.contiguous()
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    y = torch.empty(T, out, dtype=torch.bfloat16)
+    rc = _library().ms_bf16_gemm(weight.data_ptr(), xc.data_ptr(), None if b is None else b.data_ptr(),
+                                 y.data_ptr(), T, x.shape[1], out, 0)
+    return y if rc == 0 else None
