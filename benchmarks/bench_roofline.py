@@ -144,8 +144,8 @@ def ceilings() -> dict:
 
 
 # The model's products at prefill (1024 rows) and in a batch-16 decode step, and its LM head.
-GEMM_SHAPES = [(1024, 576, 1536), (1024, 1536, 576), (1024, 576, 576), (16, 576, 1536),
-               (16, 1536, 576), (1, 576, 49152), (16, 576, 49152)]
+GEMM_SHAPES = [(1024, 576, 1536), (1024, 1536, 576), (1024, 576, 576), (64, 576, 1536),
+               (16, 576, 1536), (16, 1536, 576), (1, 576, 49152), (16, 576, 49152)]
 
 
 def _median_time(fn, repeats: int = 9) -> float:
@@ -205,10 +205,12 @@ def _c_bf16_matmul(tiles: bool):
 def kernel_rates() -> list[dict]:
     """GFLOP/s of the products a step runs, by library: MKL (``F.linear`` on float32), oneDNN on
     the plain float32 weight (minserve/models/gemm.py's choice), oneDNN in bf16, minserve's C (the
-    fused decode step's product at decode sizes; the prefill attention kernel); and the prefill
-    attention (PyTorch's CPU flash SDPA, causal, 1024 tokens, SmolLM2's 9 query / 3 KV heads)."""
+    fused decode step's product at decode sizes; the bf16 AMX product, kernels/bf16_gemm.c, at the
+    rows it takes; the prefill attention kernel); and the prefill attention (PyTorch's CPU flash
+    SDPA, causal, 1024 tokens, SmolLM2's 9 query / 3 KV heads)."""
     import torch
     import torch.nn.functional as F
+    from minserve.kernels import bf16_gemm
     from minserve.kernels.prefill_attention import prefill_attention
     from minserve.models import gemm
     onednn = torch.ops.mkldnn._linear_pointwise
@@ -225,11 +227,13 @@ def kernel_rates() -> list[dict]:
         flops = 2 * m * k * n
 
         c = flops / _median_time(lambda: c_matmul(x, w)) / 1e9 if c_matmul and m <= 16 else None
+        tiles = (flops / _median_time(lambda: bf16_gemm.linear(xb, wb)) / 1e9
+                 if bf16_gemm.linear(xb, wb) is not None else None)
         rows.append({"kernel": f"linear {m}x{k} -> {n}",
                      "MKL fp32": flops / _median_time(lambda: F.linear(x, w)) / 1e9,
                      "oneDNN fp32": flops / _median_time(lambda: onednn(x, w, None, "none", [], "")) / 1e9,
                      bf16_name: flops / _median_time(lambda: bf16_linear(xb, wb)) / 1e9,
-                     "minserve C": c, "flash SDPA": None,
+                     "minserve C": c, "minserve bf16 tiles": tiles, "flash SDPA": None,
                      **{name: flops / _median_time(lambda: fn(x, wb)) / 1e9 if fn and m <= 16 else None
                         for name, fn in c_bf16.items()}})
     q, kv = torch.randn(1, 9, 1024, 64), torch.randn(1, 3, 1024, 64)
@@ -237,14 +241,15 @@ def kernel_rates() -> list[dict]:
     for dtype in (torch.float32, torch.bfloat16):
         qd, kd = q.to(dtype), kv.to(dtype)
         t = _median_time(lambda: F.scaled_dot_product_attention(qd, kd, kd, is_causal=True, enable_gqa=True))
-        # The C kernel takes [T, H, D] rows (bf16 widened to fp32 inside).
+        # The C kernel takes [T, H, D] rows (bf16 on AMX tiles where the CPU has them, widened to
+        # fp32 elsewhere).
         qr, kr = qd[0].transpose(0, 1).contiguous(), kd[0].transpose(0, 1).contiguous()
         c = None
         if prefill_attention(qr, kr, kr, 0.125) is not None:
             c = flops / _median_time(lambda: prefill_attention(qr, kr, kr, 0.125)) / 1e9
         rows.append({"kernel": f"causal attention, 1024 tokens, {str(dtype).replace('torch.', '')}",
                      "MKL fp32": None, "oneDNN fp32": None, bf16_name: None, "minserve C": c,
-                     "flash SDPA": flops / t / 1e9, **dict.fromkeys(c_bf16)})
+                     "minserve bf16 tiles": None, "flash SDPA": flops / t / 1e9, **dict.fromkeys(c_bf16)})
     return rows
 
 
