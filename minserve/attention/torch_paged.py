@@ -101,7 +101,11 @@ class TorchPagedAttention:
             # Consecutive blocks (common for a lone request in a fresh pool): a view, no copy.
             blocks = cache[g.first_block:g.first_block + g.kv_blocks.shape[1]].unsqueeze(0)
         else:
-            blocks = cache[g.kv_blocks]
+            # index_select copies whole blocks with memcpy: 4x faster than cache[g.kv_blocks]'s
+            # advanced indexing (15 sequences x 27 bf16 blocks: 130 against 500 us, 2026-12-06),
+            # which a mixed step pays twice a layer for its decode rows.
+            n, per_seq = g.kv_blocks.shape
+            blocks = cache.index_select(0, g.kv_blocks.reshape(-1)).view(n, per_seq, *cache.shape[1:])
         return blocks.flatten(1, 2)[:, :g.kv_len]
 
     @classmethod
