@@ -51,7 +51,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """bfloat16 ``x [T, in] @ weight.T + bias`` -> [T, out], or None when the kernel does not apply."""
     T, out = x.shape[0], weight.shape[0]
     if not (x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.dim() == 2
-            and MIN_ROWS <= T <= MAX_ROWS and x.shape[1] % 32 == 0 and out % 32 == 0 and weight.is_contiguous()
+            and MIN_ROWS <= T <= MAX_ROWS and x.shape[1] % 32 == 0 and out % 32 == 0
+            and weight.dim() == 2 and weight.shape[1] == x.shape[1] and weight.is_contiguous()
             and x.device.type == "cpu" and weight.device.type == "cpu" and _library() is not None):
         return None
     xc = x.contiguous()

@@ -103,6 +103,14 @@ def test_bf16_outside_the_tiles_rows_is_pytorchs_own_product(rows):
 
 
 @needs_tiles
+def test_mismatched_sizes_are_left_to_pytorch_s_error():
+    x, w, _ = _inputs(32, 64, 64, torch.bfloat16)
+    assert bf16_gemm.linear(x, w[:, :32].contiguous()) is None
+    with pytest.raises(RuntimeError):
+        gemm.linear(x, w[:, :32].contiguous())
+
+
+@needs_tiles
 def test_minserve_gemm_torch_keeps_bf16_off_the_tiles(monkeypatch):
     monkeypatch.setenv("MINSERVE_GEMM", "torch")
     gemm._requested.cache_clear()
