@@ -126,9 +126,10 @@ static void amx_outputs(const TileBuffers *tb, const uint32_t *vh, int64_t D, in
 }
 
 /* exp(x) for the probabilities the tiles multiply: exp(x) = 2^n * exp(r), n = round(x / ln 2),
- * |r| <= ln(2) / 2, exp(r) by its Taylor series to r^4 (relative error < 4.3e-5, the r^5 / 120
- * term; vexp's degree-6 polynomial reaches 1e-6, which a probability rounded to bf16, 2^-9
- * relative, cannot keep), 2^n applied by vscalefps (no clamps: it saturates to 0 and inf). Nine
+ * |r| <= ln(2) / 2, exp(r) by its Taylor series to r^4 (relative error < 6e-5: the remainder
+ * r^5 e^|r| / 120, 5.6e-5 measured; vexp's degree-6 polynomial reaches 1e-6, which a probability
+ * rounded to bf16, 2^-9 relative, cannot keep), 2^n applied by vscalefps (no clamps: it
+ * saturates to 0 and inf). Nine
  * operations against vexp's eighteen; the softmax's exps are most of this file's vector work. */
 static inline __m512 exp_for_bf16(__m512 x) {
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
@@ -242,6 +243,12 @@ static int alloc_tile_buffers(TileBuffers *tb, int64_t G, int64_t D) {
     tb->q = (uint16_t *)(tb->max + rows);
     tb->p = tb->q + rows * D;
     return 1;
+}
+
+/* exp_for_bf16 over n floats in place (n % 16 == 0), for tests/test_prefill_attention.py's check
+ * of its error bound. */
+void ms_exp_for_bf16(float *x, int64_t n) {
+    for (int64_t i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, exp_for_bf16(_mm512_loadu_ps(x + i)));
 }
 
 /* Whether this process may use the tiles (asks Linux once); 0 where the build has no AMX. */
