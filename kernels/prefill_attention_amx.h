@@ -14,17 +14,23 @@
  *           straight from a bf16 buffer (A tile); the keys are packed once per call into the B
  *           tiles' pair layout (pack_keys);
  *   output  O [16 queries x 16 of D] += P [16 x 32 keys] . V [32 keys x 16 of D]: the softmax's
- *           probabilities rounded to bf16 (A tile), the values packed once into pair rows
- *           (pack_values). Each block's product goes through memory and is added to the running
+ *           probabilities as two bf16 halves, p = hi + lo (two A tiles), the values packed once
+ *           into pair rows (pack_values). Each block's product goes through memory and is added to the running
  *           float32 output with the softmax's rescale, as product_rows does.
  *
- * Precision: bf16 by bf16 products summed in float32 (what a bf16 GEMM does). The queries are
- * scaled before they are rounded to bf16 (exact for D = 64, where the scale is 1/8), and the
- * probabilities are rounded to bf16 before the second product, as PyTorch's bf16 flash attention
- * on CPU does; the sums, the running max and the softmax's normaliser stay float32.
+ * Precision: PyTorch's bf16 flash SDPA on CPU computes in float32 and rounds once: 99.97 % of its
+ * outputs are the exact attention of the bf16 inputs rounded to bf16 (1024 causal tokens against
+ * float64, 2026-12-06). Here the scores are exact products of bf16 values summed in float32, and
+ * scaled in float32 (scaling the queries before the tiles would round them again where the scale
+ * is not a power of two: D = 128 had 60 % correctly rounded outputs that way); the probabilities go into the second product as hi + lo, 16 of float32's 24 bits, at the price of
+ * twice its tile work: 99.9 % of the outputs are then the exact ones rounded, the rest one bf16
+ * step off, on random inputs and on SmolLM2's own (a first version rounded the probabilities to
+ * bf16 once: 62 %, and a mean error 1.4x SDPA's). The sums, the running max and the softmax's
+ * normaliser stay float32.
  *
  * Tiles: 0-3 accumulate (four key groups of a score block, or four 16-column groups of the
- * output), 4 holds the A operand, 6 the B operand; all are configured 16 rows x 64 bytes.
+ * output), 4 (and 5, the probabilities' lo half) hold the A operand, 6 the B operand; all are
+ * configured 16 rows x 64 bytes.
  */
 #ifndef MINSERVE_PREFILL_ATTENTION_AMX_H
 #define MINSERVE_PREFILL_ATTENTION_AMX_H
@@ -81,8 +87,8 @@ static void pack_values(const uint16_t *v, int64_t L, int64_t ldkv, int64_t D, i
     _tile_loadd(6, (b) + 3 * (stride) * PAIR_TILE, 64); _tile_dpbf16ps(3, 4, 6); } while (0)
 
 typedef struct {        /* a thread's bf16 operands, beside its float32 Buffers */
-    uint16_t *q;        /* [rows, D] the item's queries, scaled, rounded */
-    uint16_t *p;        /* [rows, KEY_BLOCK] this block's probabilities, rounded */
+    uint16_t *q;        /* [rows, D] the item's queries, head by head */
+    uint16_t *p, *p_lo; /* [rows, KEY_BLOCK] this block's probabilities in two bf16 halves */
     float *pv;          /* [16, 64] one output product before it joins the running output */
     float *max;         /* [rows] this block's new running max */
     __m512 *sum, *block_sum;   /* [rows] the running sums, and this block's, 16 lanes per row */
@@ -103,8 +109,8 @@ static void amx_scores(const TileBuffers *tb, const uint32_t *kh, int64_t D, int
     }
 }
 
-/* b->o = b->o * alpha + P . V for key block key0 (probabilities in tb->p). vh: this kv head's
- * packed values. */
+/* b->o = b->o * alpha + P . V for key block key0 (probabilities in tb->p + tb->p_lo, each
+ * multiplied by the same packed values: tiles 4 and 5). vh: this kv head's packed values. */
 static void amx_outputs(const TileBuffers *tb, const uint32_t *vh, int64_t D, int64_t rows, int64_t key0,
                         Buffers *b) {
     int64_t DG = D / 16;
@@ -113,7 +119,12 @@ static void amx_outputs(const TileBuffers *tb, const uint32_t *vh, int64_t D, in
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int64_t j = 0; j < KEY_BLOCK / 32; j++) {
                 _tile_loadd(4, tb->p + r0 * KEY_BLOCK + 32 * j, KEY_BLOCK * 2);
-                PRODUCT_FOUR(vh + ((key0 / 32 + j) * DG + c0) * PAIR_TILE, 1);
+                _tile_loadd(5, tb->p_lo + r0 * KEY_BLOCK + 32 * j, KEY_BLOCK * 2);
+                const uint32_t *v0 = vh + ((key0 / 32 + j) * DG + c0) * PAIR_TILE;
+                _tile_loadd(6, v0, 64); _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(0, 5, 6);
+                _tile_loadd(6, v0 + PAIR_TILE, 64); _tile_dpbf16ps(1, 4, 6); _tile_dpbf16ps(1, 5, 6);
+                _tile_loadd(6, v0 + 2 * PAIR_TILE, 64); _tile_dpbf16ps(2, 4, 6); _tile_dpbf16ps(2, 5, 6);
+                _tile_loadd(6, v0 + 3 * PAIR_TILE, 64); _tile_dpbf16ps(3, 4, 6); _tile_dpbf16ps(3, 5, 6);
             }
             STORE_FOUR(tb->pv, 64);
             for (int64_t r = 0; r < 16; r++) {
@@ -126,16 +137,16 @@ static void amx_outputs(const TileBuffers *tb, const uint32_t *vh, int64_t D, in
 }
 
 /* exp(x) for the probabilities the tiles multiply: exp(x) = 2^n * exp(r), n = round(x / ln 2),
- * |r| <= ln(2) / 2, exp(r) by its Taylor series to r^4 (relative error < 6e-5: the remainder
- * r^5 e^|r| / 120, 5.6e-5 measured; vexp's degree-6 polynomial reaches 1e-6, which a probability
- * rounded to bf16, 2^-9 relative, cannot keep), 2^n applied by vscalefps (no clamps: it
- * saturates to 0 and inf). Nine
- * operations against vexp's eighteen; the softmax's exps are most of this file's vector work. */
+ * |r| <= ln(2) / 2, exp(r) by its Taylor series to r^5 (relative error < 4e-6: the remainder
+ * r^6 e^|r| / 720, 3.3e-6 measured; about the 2^-17 the probabilities' two bf16 halves keep),
+ * 2^n applied by vscalefps (no clamps: it saturates to 0 and inf). Ten operations against
+ * vexp's eighteen; the softmax's exps are most of this file's vector work. */
 static inline __m512 exp_for_bf16(__m512 x) {
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147182f), x);
-    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 24), _mm512_set1_ps(1.0f / 6));
+    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 120), _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
@@ -151,21 +162,22 @@ static inline __m512 max_all_lanes(__m512 v) {
     return _mm512_max_ps(v, _mm512_permute_ps(v, 0xb1));      /* neighbours */
 }
 
-/* softmax_block for the tiles: scores (b->p, float32) -> probabilities rounded to bf16 (tb->p),
+/* softmax_block for the tiles: scores (b->p, float32) -> probabilities as bf16 halves (tb->p, p_lo),
  * with the same running max and rescale per row. Keys a row may not see (causal, or past the
  * block's end) get probability 0 through a lane mask. The running sum stays 16 lanes wide per row
  * (tb->sum) and is added up once, at the item's end; the rescale (one exp per row) runs after the
  * rows, 16 rows to a vector. Per-row horizontal sums and a libm expf per row had stalled the row
  * loop (perf). */
 static void softmax_block_bf16(Buffers *b, const TileBuffers *tb, int64_t rows, int64_t first_pos,
-                               int64_t key0, int64_t nk) {
+                               int64_t key0, int64_t nk, float scale) {
+    const __m512 sc = _mm512_set1_ps(scale);
     for (int64_t r = 0; r < rows; r++) {
         const float *s = b->p + r * KEY_BLOCK;
-        __m512i *dst = (__m512i *)(tb->p + r * KEY_BLOCK);
+        __m512i *dst = (__m512i *)(tb->p + r * KEY_BLOCK), *dst_lo = (__m512i *)(tb->p_lo + r * KEY_BLOCK);
         int64_t pos = first_pos + r % QUERY_BLOCK;
         int64_t visible = pos - key0 + 1 < nk ? pos - key0 + 1 : nk;   /* keys this row may see */
         if (visible <= 0) {   /* the whole block is in this row's future: max and sum unchanged */
-            dst[0] = dst[1] = _mm512_setzero_si512();
+            dst[0] = dst[1] = dst_lo[0] = dst_lo[1] = _mm512_setzero_si512();
             tb->max[r] = b->m[r], tb->block_sum[r] = _mm512_setzero_ps();
             continue;
         }
@@ -174,15 +186,20 @@ static void softmax_block_bf16(Buffers *b, const TileBuffers *tb, int64_t rows, 
         for (int c = 0; c < 4; c++) {
             int64_t k = visible - 16 * c;
             keep[c] = k >= 16 ? 0xffff : k <= 0 ? 0 : (__mmask16)((1u << k) - 1);
-            mx = _mm512_mask_max_ps(mx, keep[c], mx, _mm512_loadu_ps(s + 16 * c));
+            mx = _mm512_mask_max_ps(mx, keep[c], mx, _mm512_loadu_ps(s + 16 * c) * sc);
         }
         mx = max_all_lanes(mx);
         for (int c = 0; c < 4; c++) {
-            e[c] = _mm512_maskz_mov_ps(keep[c], exp_for_bf16(_mm512_loadu_ps(s + 16 * c) - mx));
+            e[c] = _mm512_maskz_mov_ps(keep[c], exp_for_bf16(_mm512_loadu_ps(s + 16 * c) * sc - mx));
             sum += e[c];
         }
-        dst[0] = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]);
-        dst[1] = (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]);
+        for (int h = 0; h < 2; h++) {   /* p = hi + lo: 16 of float32's 24 bits reach the product */
+            __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(e[2 * h + 1], e[2 * h]);
+            __m512 w0 = (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16);
+            __m512 w1 = (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi, 1)), 16);
+            dst[h] = hi;
+            dst_lo[h] = (__m512i)_mm512_cvtne2ps_pbh(e[2 * h + 1] - w1, e[2 * h] - w0);
+        }
         tb->max[r] = mx[0], tb->block_sum[r] = sum;
     }
     /* alpha = exp(old max - new max): 1 for a row whose max stayed, 0 at a row's first block (no
@@ -208,16 +225,14 @@ static void attend_item_amx(const uint16_t *q, const uint32_t *kh, const uint32_
         for (int64_t i = 0; i < QUERY_BLOCK; i++) {
             uint16_t *dst = tb->q + (g * QUERY_BLOCK + i) * D;
             const uint16_t *src = q + ((t0 + (i < nq ? i : 0)) * H + kvh * G + g) * D;
-            for (int64_t d = 0; d < D; d += 16)
-                _mm256_storeu_si256((__m256i *)(dst + d), (__m256i)_mm512_cvtneps_pbh(
-                    (__m512)(bf16x16_to_float(src + d) * scale)));
+            memcpy(dst, src, D * sizeof(uint16_t));   /* unscaled: the scale goes on the float scores */
         }
     for (int64_t r = 0; r < rows; r++) b->m[r] = -INFINITY, tb->sum[r] = _mm512_setzero_ps();
     memset(b->o, 0, rows * D * sizeof(float));
     for (int64_t key0 = 0; key0 <= last_pos; key0 += KEY_BLOCK) {
         int64_t nk = last_pos + 1 - key0 < KEY_BLOCK ? last_pos + 1 - key0 : KEY_BLOCK;
         amx_scores(tb, kh, D, rows, key0, b);
-        softmax_block_bf16(b, tb, rows, first_pos, key0, nk);
+        softmax_block_bf16(b, tb, rows, first_pos, key0, nk, scale);
         amx_outputs(tb, vh, D, rows, key0, b);
     }
     for (int64_t g = 0; g < G; g++)
@@ -234,7 +249,7 @@ static void attend_item_amx(const uint16_t *q, const uint32_t *kh, const uint32_
 static int alloc_tile_buffers(TileBuffers *tb, int64_t G, int64_t D) {
     int64_t rows = G * QUERY_BLOCK;
     void *mem = NULL;
-    size_t bytes = (size_t)(rows * D + rows * KEY_BLOCK) * 2 + (16 * 64 + rows + 32 * rows) * sizeof(float);
+    size_t bytes = (size_t)(rows * D + 2 * rows * KEY_BLOCK) * 2 + (16 * 64 + rows + 32 * rows) * sizeof(float);
     if (posix_memalign(&mem, 64, bytes)) return 0;
     tb->pv = mem;
     tb->sum = (__m512 *)(tb->pv + 16 * 64);
@@ -242,6 +257,7 @@ static int alloc_tile_buffers(TileBuffers *tb, int64_t G, int64_t D) {
     tb->max = (float *)(tb->block_sum + rows);
     tb->q = (uint16_t *)(tb->max + rows);
     tb->p = tb->q + rows * D;
+    tb->p_lo = tb->p + rows * KEY_BLOCK;
     return 1;
 }
 
