@@ -137,6 +137,14 @@ def test_quantized_row_when_the_engine_has_it():
     assert rows[1].mean_kl > 0 and math.isfinite(rows[1].perplexity)
 
 
+def test_a_rows_engine_arguments_override_the_shared_ones():
+    """`fp32:max_num_seqs=8` beside the CLI's own max_num_seqs: the row's value, not a TypeError."""
+    rows = gate.run_gate("tiny-llama", [gate.parse_format("fp32"), gate.parse_format("fp32:num_kv_blocks=32")],
+                         gate.EvalData(data.load_texts()[:1], data.load_questions()[:2], (8,), 4),
+                         {"num_kv_blocks": 64})
+    assert rows[1].error is None and math.isfinite(rows[1].perplexity)
+
+
 def test_lm_eval_adapter(tiny, texts):
     pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance

@@ -174,10 +174,11 @@ def test_the_engine_prefills_through_the_kernel_with_sdpa_s_outputs(monkeypatch)
 def test_a_bfloat16_engine_prefills_on_the_tiles_with_sdpa_s_outputs(monkeypatch):
     """The same prompts (chunked, over cached context) through a dtype="bfloat16" engine: the tiles
     and PyTorch's bf16 SDPA pick the same first token (the one the prompt's attention decides). A bf16
-    engine's later tokens and log-probabilities move with any change of summation order: on these
-    prompts, tiles against SDPA, float32-widened attention against SDPA, and each with bf16 products
-    on AMX tiles or in oneDNN, differed by 0.12-0.63 in a log-probability, and one pair in a later
-    token (2026-12-06). A wrong mask or a lost rescale moves them by whole units."""
+    engine's later tokens and log-probabilities move with any change of summation order in any of
+    its products: on these prompts the tiles, float32-widened attention and SDPA differed by
+    0.08-0.35 in a log-probability (2026-12-06, with bf16 products on AMX tiles for 16-128 rows);
+    an earlier version of the tiles, and the products in oneDNN, moved them by up to 0.63 and one
+    later token. A wrong mask or a lost rescale moves them by whole units."""
     g = torch.Generator().manual_seed(12)
     base = torch.randint(100, 40000, (150,), generator=g).tolist()
     prompts = [base, base[:40] + [9] * 30, torch.randint(100, 40000, (20,), generator=g).tolist(), base]

@@ -181,8 +181,9 @@ def run_gate(model: str, specs: list[FormatSpec], data: EvalData, engine_args: d
     results = [ref]
     for spec in rows:
         try:
-            llm = LLM(model, **engine_args, **spec.engine_args,
-                      **({"quantization": spec.quantization} if spec.quantization else {}))
+            # A row's own arguments win over the shared ones (fp32:max_num_seqs=8 beside --max-num-seqs).
+            llm = LLM(model, **{**engine_args, **spec.engine_args,
+                                **({"quantization": spec.quantization} if spec.quantization else {})})
         except (ValueError, TypeError) as e:  # a format this engine does not know (yet)
             results.append(FormatResult(spec, error=f"{type(e).__name__}: {e}"))
             continue
