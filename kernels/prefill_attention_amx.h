@@ -1,5 +1,5 @@
 /* Causal prefill attention of bfloat16 queries, keys and values on AMX tiles (included by
- * prefill_attention.c, after its Buffers and softmax_block, which this file shares).
+ * prefill_attention.c, after its Buffers and alloc_buffers, which this file shares).
  *
  * Why: a dtype="bfloat16" engine on a CPU with AMX sent its prefill attention to PyTorch's bf16
  * flash SDPA (~360 GFLOP/s on the Intel Xeon, 2026-12-05): a third of a 1024-token prompt's time.
@@ -15,18 +15,19 @@
  *           tiles' pair layout (pack_keys);
  *   output  O [16 queries x 16 of D] += P [16 x 32 keys] . V [32 keys x 16 of D]: the softmax's
  *           probabilities as two bf16 halves, p = hi + lo (two A tiles), the values packed once
- *           into pair rows (pack_values). Each block's product goes through memory and is added to the running
- *           float32 output with the softmax's rescale, as product_rows does.
+ *           into pair rows (pack_values). Each block's product goes through memory and is added
+ *           to the running float32 output with the softmax's rescale, as product_rows does.
  *
  * Precision: PyTorch's bf16 flash SDPA on CPU computes in float32 and rounds once: 99.97 % of its
  * outputs are the exact attention of the bf16 inputs rounded to bf16 (1024 causal tokens against
  * float64, 2026-12-06). Here the scores are exact products of bf16 values summed in float32, and
  * scaled in float32 (scaling the queries before the tiles would round them again where the scale
- * is not a power of two: D = 128 had 60 % correctly rounded outputs that way); the probabilities go into the second product as hi + lo, 16 of float32's 24 bits, at the price of
- * twice its tile work: 99.9 % of the outputs are then the exact ones rounded, the rest one bf16
- * step off, on random inputs and on SmolLM2's own (a first version rounded the probabilities to
- * bf16 once: 62 %, and a mean error 1.4x SDPA's). The sums, the running max and the softmax's
- * normaliser stay float32.
+ * is not a power of two: D = 128 had 60 % correctly rounded outputs that way); the probabilities
+ * go into the second product as hi + lo, 16 of float32's 24 bits, at the price of twice its tile
+ * work: 99.9 % of the outputs are then the exact ones rounded, the rest one bf16 step off, on
+ * random inputs and on SmolLM2's own (a first version rounded the probabilities to bf16 once:
+ * 62 %, and a mean error 1.4x SDPA's). The sums, the running max and the softmax's normaliser
+ * stay float32.
  *
  * Tiles: 0-3 accumulate (four key groups of a score block, or four 16-column groups of the
  * output), 4 (and 5, the probabilities' lo half) hold the A operand, 6 the B operand; all are
