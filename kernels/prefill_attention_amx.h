@@ -195,10 +195,9 @@ static void softmax_block_bf16(Buffers *b, const TileBuffers *tb, int64_t rows, 
             sum += e[c];
         }
         for (int h = 0; h < 2; h++) {   /* p = hi + lo: 16 of float32's 24 bits reach the product */
-            __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(e[2 * h + 1], e[2 * h]);
-            __m512 w0 = (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16);
-            __m512 w1 = (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi, 1)), 16);
-            dst[h] = hi;
+            dst[h] = (__m512i)_mm512_cvtne2ps_pbh(e[2 * h + 1], e[2 * h]);
+            __m512 w0 = (__m512)bf16x16_to_float((const uint16_t *)&dst[h]);   /* hi, widened back */
+            __m512 w1 = (__m512)bf16x16_to_float((const uint16_t *)&dst[h] + 16);
             dst_lo[h] = (__m512i)_mm512_cvtne2ps_pbh(e[2 * h + 1] - w1, e[2 * h] - w0);
         }
         tb->max[r] = mx[0], tb->block_sum[r] = sum;

@@ -37,13 +37,9 @@ static inline void store_bf16x16(uint16_t *dst, vf16 v) {
 
 /* 16 floats rounded to bfloat16 and widened back (store_bf16x16's rounding, kept in registers). */
 static inline vf16 rounded_to_bf16(vf16 v) {
-#if defined(__AVX512BF16__)
-    return (vf16)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)v)), 16);
-#else
     uint16_t b[16];
     store_bf16x16(b, v);
     return bf16x16_to_float(b);
-#endif
 }
 
 static inline vf16 load16(const void *p, int64_t i, int bf16) {
