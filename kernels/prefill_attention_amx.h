@@ -8,8 +8,8 @@
  * online softmax stays in vector registers, so the softmax's exps become most of the work.
  *
  * The same work items and the same online softmax as the float32 kernel (one kv head x
- * QUERY_BLOCK positions of all its query heads; KEY_BLOCK keys at a time); what changes is where
- * the products run:
+ * QUERY_BLOCK positions of all its query heads), TILE_KEY_BLOCK keys at a time; what changes is
+ * where the products run:
  *   scores  S [16 queries x 16 keys] += Q [16 x 32 of D] . K^T [32 of D x 16 keys]: Q rows load
  *           straight from a bf16 buffer (A tile); the keys are packed once per call into the B
  *           tiles' pair layout (pack_keys);
@@ -39,6 +39,12 @@
 
 #ifdef HAVE_AMX_BF16
 #define PAIR_TILE 256      /* dwords in a B tile: 16 pair rows x 16 columns */
+/* Keys per online-softmax block (a multiple of 64). Every block stores its output products and
+ * folds them into the running output with the rescale: at 64 keys (the float32 kernel's
+ * KEY_BLOCK) that bookkeeping cost as much as a fifth of the kernel; 1024 causal tokens, 9 / 3
+ * heads of 64, 3.0 -> 2.6 ms (scratch A/B in one process, 2026-12-06). The scores and both
+ * probability halves of a block stay in L2: rows x 256 x 8 bytes. */
+#define TILE_KEY_BLOCK 256
 
 /* Keys g * 16 .. + 15 of kv head kvh -> D / 32 B tiles at kp: tile c, pair row kk, column n holds
  * K[16g + n][32c + 2kk], K[16g + n][32c + 2kk + 1] (one dword). Keys at or past L are zeros. */
@@ -89,38 +95,53 @@ static void pack_values(const uint16_t *v, int64_t L, int64_t ldkv, int64_t D, i
 
 typedef struct {        /* a thread's bf16 operands, beside its float32 Buffers */
     uint16_t *q;        /* [rows, D] the item's queries, head by head */
-    uint16_t *p, *p_lo; /* [rows, KEY_BLOCK] this block's probabilities in two bf16 halves */
+    float *s;           /* [rows, TILE_KEY_BLOCK] this block's scores */
+    uint16_t *p, *p_lo; /* [rows, TILE_KEY_BLOCK] this block's probabilities in two bf16 halves */
     float *pv;          /* [16, 64] one output product before it joins the running output */
     float *max;         /* [rows] this block's new running max */
     __m512 *sum, *block_sum;   /* [rows] the running sums, and this block's, 16 lanes per row */
 } TileBuffers;
 
-/* Scores of key block key0 for every row: b->p [rows, KEY_BLOCK] float32. kh: this kv head's
- * packed keys. */
-static void amx_scores(const TileBuffers *tb, const uint32_t *kh, int64_t D, int64_t rows, int64_t key0,
-                       Buffers *b) {
+/* Keys of key block key0 that rows r0 .. r0 + 15 (one query head, 16 positions of the item) may
+ * see: the block's nk, less the causal tail past the group's last position. */
+static inline int64_t group_keys(int64_t r0, int64_t first_pos, int64_t key0, int64_t nk) {
+    int64_t last = first_pos + (r0 + 15) % QUERY_BLOCK - key0 + 1;
+    return last < nk ? last : nk;
+}
+
+/* Scores of key block key0 for every row: tb->s [rows, TILE_KEY_BLOCK] float32, in 64-key groups
+ * (four accumulator tiles) up to the keys each 16-row group may see. kh: this kv head's packed
+ * keys. */
+static void amx_scores(const TileBuffers *tb, const uint32_t *kh, int64_t D, int64_t rows, int64_t first_pos,
+                       int64_t key0, int64_t nk) {
     int64_t DC = D / 32;
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        for (int64_t c = 0; c < DC; c++) {
-            _tile_loadd(4, tb->q + r0 * D + 32 * c, D * 2);
-            PRODUCT_FOUR(kh + (key0 / 16 * DC + c) * PAIR_TILE, DC);
+        int64_t n = group_keys(r0, first_pos, key0, nk);
+        for (int64_t k0 = 0; k0 < n; k0 += 64) {
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t c = 0; c < DC; c++) {
+                _tile_loadd(4, tb->q + r0 * D + 32 * c, D * 2);
+                PRODUCT_FOUR(kh + ((key0 + k0) / 16 * DC + c) * PAIR_TILE, DC);
+            }
+            STORE_FOUR(tb->s + r0 * TILE_KEY_BLOCK + k0, TILE_KEY_BLOCK);
         }
-        STORE_FOUR(b->p + r0 * KEY_BLOCK, KEY_BLOCK);
     }
 }
 
 /* b->o = b->o * alpha + P . V for key block key0 (probabilities in tb->p + tb->p_lo, each
- * multiplied by the same packed values: tiles 4 and 5). vh: this kv head's packed values. */
-static void amx_outputs(const TileBuffers *tb, const uint32_t *vh, int64_t D, int64_t rows, int64_t key0,
-                        Buffers *b) {
+ * multiplied by the same packed values: tiles 4 and 5), 32 keys a step up to the keys each 16-row
+ * group may see; a group that sees none keeps its output (its alpha is 1). vh: this kv head's
+ * packed values. */
+static void amx_outputs(const TileBuffers *tb, const uint32_t *vh, int64_t D, int64_t rows, int64_t first_pos,
+                        int64_t key0, int64_t nk, Buffers *b) {
     int64_t DG = D / 16;
-    for (int64_t r0 = 0; r0 < rows; r0 += 16)
-        for (int64_t c0 = 0; c0 < DG; c0 += 4) {   /* 64 output columns per pass */
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        int64_t n = group_keys(r0, first_pos, key0, nk);
+        for (int64_t c0 = 0; c0 < DG && n > 0; c0 += 4) {   /* 64 output columns per pass */
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            for (int64_t j = 0; j < KEY_BLOCK / 32; j++) {
-                _tile_loadd(4, tb->p + r0 * KEY_BLOCK + 32 * j, KEY_BLOCK * 2);
-                _tile_loadd(5, tb->p_lo + r0 * KEY_BLOCK + 32 * j, KEY_BLOCK * 2);
+            for (int64_t j = 0; 32 * j < n; j++) {
+                _tile_loadd(4, tb->p + r0 * TILE_KEY_BLOCK + 32 * j, TILE_KEY_BLOCK * 2);
+                _tile_loadd(5, tb->p_lo + r0 * TILE_KEY_BLOCK + 32 * j, TILE_KEY_BLOCK * 2);
                 const uint32_t *v0 = vh + ((key0 / 32 + j) * DG + c0) * PAIR_TILE;
                 _tile_loadd(6, v0, 64); _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(0, 5, 6);
                 _tile_loadd(6, v0 + PAIR_TILE, 64); _tile_dpbf16ps(1, 4, 6); _tile_dpbf16ps(1, 5, 6);
@@ -135,6 +156,7 @@ static void amx_outputs(const TileBuffers *tb, const uint32_t *vh, int64_t D, in
                 for (int c = 0; c < 4; c++) o[c] = o[c] * a + pv[c];
             }
         }
+    }
 }
 
 /* exp(x) for the probabilities the tiles multiply: exp(x) = 2^n * exp(r), n = round(x / ln 2),
@@ -163,42 +185,44 @@ static inline __m512 max_all_lanes(__m512 v) {
     return _mm512_max_ps(v, _mm512_permute_ps(v, 0xb1));      /* neighbours */
 }
 
-/* softmax_block for the tiles: scores (b->p, float32) -> probabilities as bf16 halves (tb->p, p_lo),
- * with the same running max and rescale per row. Keys a row may not see (causal, or past the
- * block's end) get probability 0 through a lane mask. The running sum stays 16 lanes wide per row
- * (tb->sum) and is added up once, at the item's end; the rescale (one exp per row) runs after the
- * rows, 16 rows to a vector. Per-row horizontal sums and a libm expf per row had stalled the row
- * loop (perf). */
+/* The lanes of a 16-key vector a row may see when n keys remain visible (n > 0). */
+static inline __mmask16 visible_lanes(int64_t n) {
+    return n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
+}
+
+/* softmax_block for the tiles: scores (tb->s, float32) -> probabilities as bf16 halves (tb->p,
+ * p_lo), with the same running max and rescale per row. Keys a row may not see (causal, or past
+ * the block's end) get probability 0 through a lane mask, up to the 32-key step amx_outputs reads
+ * to. The running sum stays 16 lanes wide per row (tb->sum) and is added up once, at the item's
+ * end; the rescale (one exp per row) runs after the rows, 16 rows to a vector. Per-row horizontal
+ * sums and a libm expf per row had stalled the row loop (perf). */
 static void softmax_block_bf16(Buffers *b, const TileBuffers *tb, int64_t rows, int64_t first_pos,
                                int64_t key0, int64_t nk, float scale) {
     const __m512 sc = _mm512_set1_ps(scale);
     for (int64_t r = 0; r < rows; r++) {
-        const float *s = b->p + r * KEY_BLOCK;
-        __m512i *dst = (__m512i *)(tb->p + r * KEY_BLOCK), *dst_lo = (__m512i *)(tb->p_lo + r * KEY_BLOCK);
+        const float *s = tb->s + r * TILE_KEY_BLOCK;
+        uint16_t *dst = tb->p + r * TILE_KEY_BLOCK, *dst_lo = tb->p_lo + r * TILE_KEY_BLOCK;
         int64_t pos = first_pos + r % QUERY_BLOCK;
         int64_t visible = pos - key0 + 1 < nk ? pos - key0 + 1 : nk;   /* keys this row may see */
-        if (visible <= 0) {   /* the whole block is in this row's future: max and sum unchanged */
-            dst[0] = dst[1] = dst_lo[0] = dst_lo[1] = _mm512_setzero_si512();
-            tb->max[r] = b->m[r], tb->block_sum[r] = _mm512_setzero_ps();
-            continue;
-        }
-        __mmask16 keep[4];
-        __m512 mx = _mm512_set1_ps(b->m[r]), e[4], sum = _mm512_setzero_ps();
-        for (int c = 0; c < 4; c++) {
-            int64_t k = visible - 16 * c;
-            keep[c] = k >= 16 ? 0xffff : k <= 0 ? 0 : (__mmask16)((1u << k) - 1);
-            mx = _mm512_mask_max_ps(mx, keep[c], mx, _mm512_loadu_ps(s + 16 * c) * sc);
-        }
+        int64_t written = (group_keys(r / 16 * 16, first_pos, key0, nk) + 31) / 32 * 32;
+        __m512 mx = _mm512_set1_ps(b->m[r]), sum = _mm512_setzero_ps();
+        for (int64_t c = 0; c < visible; c += 16)
+            mx = _mm512_mask_max_ps(mx, visible_lanes(visible - c), mx, _mm512_loadu_ps(s + c) * sc);
         mx = max_all_lanes(mx);
-        for (int c = 0; c < 4; c++) {
-            e[c] = _mm512_maskz_mov_ps(keep[c], exp_for_bf16(_mm512_loadu_ps(s + 16 * c) * sc - mx));
-            sum += e[c];
+        int64_t c = 0;
+        for (; c < visible; c += 16) {   /* p = hi + lo: 16 of float32's 24 bits reach the product */
+            __m512 e = _mm512_maskz_mov_ps(visible_lanes(visible - c),
+                                           exp_for_bf16(_mm512_loadu_ps(s + c) * sc - mx));
+            sum += e;
+            /* hi widened back in registers (reading it back from dst waited on the store) */
+            __m256i hi = (__m256i)_mm512_cvtneps_pbh(e);
+            __m512 widened = (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16);
+            _mm256_storeu_si256((__m256i *)(dst + c), hi);
+            _mm256_storeu_si256((__m256i *)(dst_lo + c), (__m256i)_mm512_cvtneps_pbh(e - widened));
         }
-        for (int h = 0; h < 2; h++) {   /* p = hi + lo: 16 of float32's 24 bits reach the product */
-            dst[h] = (__m512i)_mm512_cvtne2ps_pbh(e[2 * h + 1], e[2 * h]);
-            __m512 w0 = (__m512)bf16x16_to_float((const uint16_t *)&dst[h]);   /* hi, widened back */
-            __m512 w1 = (__m512)bf16x16_to_float((const uint16_t *)&dst[h] + 16);
-            dst_lo[h] = (__m512i)_mm512_cvtne2ps_pbh(e[2 * h + 1] - w1, e[2 * h] - w0);
+        for (; c < written; c += 16) {   /* the rest of the 32-key step the product reads */
+            _mm256_storeu_si256((__m256i *)(dst + c), _mm256_setzero_si256());
+            _mm256_storeu_si256((__m256i *)(dst_lo + c), _mm256_setzero_si256());
         }
         tb->max[r] = mx[0], tb->block_sum[r] = sum;
     }
@@ -229,11 +253,11 @@ static void attend_item_amx(const uint16_t *q, const uint32_t *kh, const uint32_
         }
     for (int64_t r = 0; r < rows; r++) b->m[r] = -INFINITY, tb->sum[r] = _mm512_setzero_ps();
     memset(b->o, 0, rows * D * sizeof(float));
-    for (int64_t key0 = 0; key0 <= last_pos; key0 += KEY_BLOCK) {
-        int64_t nk = last_pos + 1 - key0 < KEY_BLOCK ? last_pos + 1 - key0 : KEY_BLOCK;
-        amx_scores(tb, kh, D, rows, key0, b);
+    for (int64_t key0 = 0; key0 <= last_pos; key0 += TILE_KEY_BLOCK) {
+        int64_t nk = last_pos + 1 - key0 < TILE_KEY_BLOCK ? last_pos + 1 - key0 : TILE_KEY_BLOCK;
+        amx_scores(tb, kh, D, rows, first_pos, key0, nk);
         softmax_block_bf16(b, tb, rows, first_pos, key0, nk, scale);
-        amx_outputs(tb, vh, D, rows, key0, b);
+        amx_outputs(tb, vh, D, rows, first_pos, key0, nk, b);
     }
     for (int64_t g = 0; g < G; g++)
         for (int64_t i = 0; i < nq; i++) {
@@ -249,15 +273,17 @@ static void attend_item_amx(const uint16_t *q, const uint32_t *kh, const uint32_
 static int alloc_tile_buffers(TileBuffers *tb, int64_t G, int64_t D) {
     int64_t rows = G * QUERY_BLOCK;
     void *mem = NULL;
-    size_t bytes = (size_t)(rows * D + 2 * rows * KEY_BLOCK) * 2 + (16 * 64 + rows + 32 * rows) * sizeof(float);
+    size_t bytes = (size_t)(rows * D + 2 * rows * TILE_KEY_BLOCK) * 2
+                   + (16 * 64 + rows + 32 * rows + rows * TILE_KEY_BLOCK) * sizeof(float);
     if (posix_memalign(&mem, 64, bytes)) return 0;
     tb->pv = mem;
     tb->sum = (__m512 *)(tb->pv + 16 * 64);
     tb->block_sum = tb->sum + rows;
     tb->max = (float *)(tb->block_sum + rows);
-    tb->q = (uint16_t *)(tb->max + rows);
+    tb->s = tb->max + rows;
+    tb->q = (uint16_t *)(tb->s + rows * TILE_KEY_BLOCK);
     tb->p = tb->q + rows * D;
-    tb->p_lo = tb->p + rows * KEY_BLOCK;
+    tb->p_lo = tb->p + rows * TILE_KEY_BLOCK;
     return 1;
 }
 

@@ -21,10 +21,11 @@ def _reference(q, k, v, scale):
     return out.transpose(0, 1)
 
 
-# (queries, cached context, heads, kv heads, head size): blocks of 32 queries and 64 keys with
-# tails on both sides, a context that is not a multiple of a block, grouped and plain heads.
+# (queries, cached context, heads, kv heads, head size): blocks of 32 queries and of 64 keys (256
+# on the tiles) with tails on both sides, a context that is not a multiple of a block, prompts
+# whose diagonal crosses key blocks, grouped and plain heads.
 SHAPES = [(16, 0, 9, 3, 64), (37, 0, 9, 3, 64), (100, 250, 9, 3, 64), (64, 0, 4, 4, 128),
-          (200, 70, 8, 2, 128), (129, 1, 6, 1, 64)]
+          (200, 70, 8, 2, 128), (129, 1, 6, 1, 64), (300, 530, 9, 3, 64)]
 
 
 @pytest.mark.parametrize("T,ctx,H,Hkv,D", SHAPES)
