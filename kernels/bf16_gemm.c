@@ -15,10 +15,10 @@
  * out features-major; store_block transposes it back to token rows, adds the bias and rounds to
  * bf16 once.
  *
- * Order: tokens in chunks of CHUNK_BYTES of packed activations, which stay in each core's L2 while
- * every weight block passes over them (a block's 32 weight rows come from L3 or DRAM once per
- * chunk, then serve the chunk's token blocks from L1/L2); the chunk's blocks are dealt to the
- * threads statically, a thread's consecutive blocks sharing their weights.
+ * Order: tokens in chunks of CHUNK_BYTES of packed activations, which stay in each core's L2; in a
+ * chunk, work items of one token block times a panel of feature blocks (panel_count), dealt to
+ * the threads statically, panel by panel, so a thread's consecutive items share their panel of
+ * weights (from L2) and each item writes along its tokens' output rows.
  *
  * Precision: bf16 x bf16 products summed in float32 and rounded once (what oneDNN's bf16 product
  * does), in another order: results differ from F.linear's by bf16 rounding of the sums.
@@ -32,6 +32,7 @@
 
 #ifdef HAVE_AMX_BF16
 #define CHUNK_BYTES (1 << 20)   /* packed tokens per chunk: half of a core's L2 on the Xeon */
+#define PANEL_BYTES (3 << 19)   /* weights per panel (panel_count): 1.5 MiB */
 
 /* Rows r of a 16 x 16 matrix of 4-byte elements -> its columns, in registers (the usual three
  * rounds: 32-bit, 64-bit and 128-bit interleaves). */
@@ -106,6 +107,19 @@ static void product_block(const uint16_t *W, int64_t in, int64_t out, const uint
     store_block(c[1], y, out, T, tok0 + 16, f0, bias);
 }
 
+/* How many panels the fblocks feature blocks are cut into for a chunk of tblocks token blocks.
+ * A work item is one token block times one panel's feature blocks, in feature order, so the
+ * item's outputs are written along each token's row; and its panel of weights, at most
+ * PANEL_BYTES, is read from L2 by the item after it. More panels where there would be fewer than
+ * four items a thread. Against the earlier order (each feature block over all token blocks), in
+ * alternating runs of the four SmolLM2 shapes at 256 and 1024 rows: 3-21 % faster
+ * (2026-12-06). */
+static int64_t panel_count(int64_t fblocks, int64_t tblocks, int64_t in, int nt) {
+    int64_t cap = PANEL_BYTES / (64 * in), want = fblocks * tblocks / (4 * nt);
+    int64_t per = want < 1 ? 1 : want < cap ? want : cap < 1 ? 1 : cap;
+    return (fblocks + per - 1) / per;
+}
+
 /* Whether this process may use the tiles (asks Linux once). */
 int64_t ms_bf16_gemm_available(void) { return amx_enable(1); }
 
@@ -127,10 +141,12 @@ int64_t ms_bf16_gemm(const uint16_t *W, const uint16_t *x, const float *bias, ui
         amx_configure_square();   /* after the loop's barrier: every token is packed */
         for (int64_t c0 = 0; c0 < padded; c0 += chunk) {
             int64_t tblocks = (padded - c0 < chunk ? padded - c0 : chunk) / 32;
+            int64_t panels = panel_count(fblocks, tblocks, in, nt), per = (fblocks + panels - 1) / panels;
             #pragma omp for schedule(static) nowait
-            for (int64_t i = 0; i < fblocks * tblocks; i++) {
-                int64_t tok0 = c0 + i % tblocks * 32;
-                product_block(W, in, out, packed + tok0 * in / 2, T, tok0, i / tblocks * 32, bias, y);
+            for (int64_t i = 0; i < panels * tblocks; i++) {   /* a panel's blocks for one token block */
+                int64_t tok0 = c0 + i % tblocks * 32, f0 = i / tblocks * per;
+                for (int64_t f = f0; f < f0 + per && f < fblocks; f++)
+                    product_block(W, in, out, packed + tok0 * in / 2, T, tok0, f * 32, bias, y);
             }
         }
         _tile_release();

@@ -19,12 +19,13 @@ import torch
 from minserve.kernels.build import KernelUnavailable, cpu_flags, load
 from minserve.kernels.decode import amx_wanted
 
-# The rows it takes. A scratch sweep over SmolLM2's products (576 -> 960 / 576 / 3072, 1536 -> 576,
-# the LM head 576 -> 49152) against bf16 F.linear on the Intel Xeon, 2026-12-06, GFLOP/s ratios:
-# 17 rows 1.1-2.0x, 32 rows 1.5-2.6x, 64 rows 1.4-2.0x, 128 rows 1.05-1.2x, 192 rows 0.89-1.01x,
-# 1024 rows 0.66-1.26x (this kernel 1.4-1.6 TFLOP/s, oneDNN 1.1-2.4). Below 16 a block is mostly
-# padding.
-MIN_ROWS, MAX_ROWS = 16, 128
+# The rows it takes. A sweep over SmolLM2's products (576 -> 960 / 576 / 3072, 1536 -> 576) against
+# bf16 F.linear on the Intel Xeon, 2026-12-06, after the panel order (bf16_gemm.c's panel_count),
+# tiles / oneDNN time ratios, 11 alternating calls each: 16 rows 1.63-1.87, 64 rows 1.54-1.63,
+# 128 rows 1.15-1.18, 192 rows 0.99-1.09, 256 rows 1.04-1.53, 384 rows 0.96-1.06, 512 rows
+# 0.82-0.92, 1024 rows 0.75-1.43 (oneDNN slow at 576 outputs there, fast at 2048), 2048 rows
+# 0.71-0.79. Below 16 a block is mostly padding.
+MIN_ROWS, MAX_ROWS = 16, 256
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
