@@ -24,8 +24,10 @@ from minserve.kernels.decode import amx_wanted
 # tiles / oneDNN time ratios, 11 alternating calls each: 16 rows 1.63-1.87, 64 rows 1.54-1.63,
 # 128 rows 1.15-1.18, 192 rows 0.99-1.09, 256 rows 1.04-1.53, 384 rows 0.96-1.06, 512 rows
 # 0.82-0.92, 1024 rows 0.75-1.43 (oneDNN slow at 576 outputs there, fast at 2048), 2048 rows
-# 0.71-0.79. Below 16 a block is mostly padding.
-MIN_ROWS, MAX_ROWS = 16, 256
+# 0.71-0.79. At 384 about even; a mixed step of a 256-token prompt and 15 decoding sequences (271
+# rows) spent 11-19 % less in its products on the tiles than in oneDNN (cProfile, two alternating
+# runs). Below 16 a block is mostly padding.
+MIN_ROWS, MAX_ROWS = 16, 384
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 

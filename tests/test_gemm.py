@@ -1,7 +1,7 @@
 """minserve/models/gemm.py: the dense product behind every Linear on a CPU.
 
 float32 goes to oneDNN or MKL (the same product summed in another order); bfloat16 on a CPU without
-bf16 dot products goes through float32 tiles of the weight, and on a CPU with AMX products of 16-256
+bf16 dot products goes through float32 tiles of the weight, and on a CPU with AMX products of 16-384
 rows go to its tiles (kernels/bf16_gemm.c). Each route is checked against float64
 arithmetic, with the rounding each format allows, and the routing itself (which rows go where).
 """
@@ -84,7 +84,7 @@ needs_tiles = pytest.mark.skipif(not (bf16_gemm.available() and gemm.native_bf16
                                                   (bf16_gemm.MAX_ROWS - 31, 4096, 512)])
 def test_bf16_on_amx_tiles_rounds_the_float32_sum_once(rows, in_features, out, monkeypatch):
     """Token tails (17, 33: a block half padding), several weight blocks, the bias, and inputs wide
-    enough for two chunks of tokens and three panels of weights, the last one short: each output
+    enough for several chunks of tokens and three panels of weights, the last one short: each output
     is the float64 product rounded once to bf16, up to float32 summation error."""
     calls = []
     inner = bf16_gemm.linear

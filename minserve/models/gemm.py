@@ -20,9 +20,9 @@ Intel Xeon host (AVX-512, AMX; 2026-12-03), benchmarks/bench_roofline.py's kerne
 16 rows 84-116 against 81-87: there the default is MKL.
 
 bfloat16 products with bf16 dot products in the CPU go to ``F.linear`` (oneDNN), except that on a
-CPU with AMX those of 16 to 256 rows (mixed steps, their LM head, short prefill chunks) run on the
+CPU with AMX those of 16 to 384 rows (mixed steps, their LM head, short prefill chunks) run on the
 tiles in kernels/bf16_gemm.c, which reads the weight as it lies where oneDNN reorders it on every
-call: 0.99-1.9x oneDNN's rate over SmolLM2's products there (kernels/bf16_gemm.py has the sweep).
+call: 0.96-1.9x oneDNN's rate over SmolLM2's products there (kernels/bf16_gemm.py has the sweep).
 
 ``MINSERVE_GEMM=torch`` forces ``F.linear`` everywhere (to compare, or where oneDNN misbehaves);
 ``onednn`` uses oneDNN for every 2-D float32 CPU input; ``auto`` (the default) takes oneDNN except on
