@@ -351,6 +351,35 @@ static void attend_row(const ModelPtrs *m, const LayerPtrs *L, const float *q, c
 #undef ATTEND
 }
 
+/* Phase 2 of attention_block, and the whole of ms_paged_attention: every row b (query heads at
+ * q + b * q_stride, out at out + b * H * D) attends to its keys 0 .. positions[b] through its block
+ * table (tables + b * table_stride). Called inside a parallel region: its loops are shared out over
+ * the team, and it reads only. Rows enough to keep every thread busy (ROW_ITEMS_PER_THREAD each),
+ * and each kv head's query heads one group: one work item per row, every kv head together
+ * (attend_heads says why); dynamic, as rows' contexts differ. Else one work item per (row, kv
+ * head, group of its query heads). */
+static void attend_rows(const ModelPtrs *m, const LayerPtrs *L, const float *q, int64_t q_stride, int64_t B,
+                        const int64_t *positions, const int64_t *tables, int64_t table_stride,
+                        float *scores, int64_t scores_stride, float *out, int nthreads) {
+    int64_t H = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim;
+    int64_t per_kv = H / Hkv, passes = (per_kv + ATTN_GROUP - 1) / ATTN_GROUP;
+    if (per_kv <= ATTN_GROUP && H <= ROW_HEADS_MAX && B >= ROW_ITEMS_PER_THREAD * nthreads) {
+        #pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t b = 0; b < B; b++)
+            attend_row(m, L, q + b * q_stride, tables + b * table_stride, positions[b] + 1,
+                       scores + b * H * scores_stride, scores_stride, out + b * H * D, (int)per_kv);
+    } else {
+        #pragma omp for schedule(static) nowait
+        for (int64_t item = 0; item < B * Hkv * passes; item++) {
+            int64_t b = item / (Hkv * passes), g = item / passes % Hkv, pass = item % passes;
+            int64_t h = g * per_kv + pass * ATTN_GROUP;   /* the pass's first query head */
+            int G = (int)(per_kv - pass * ATTN_GROUP < ATTN_GROUP ? per_kv - pass * ATTN_GROUP : ATTN_GROUP);
+            attend(m, L, q + b * q_stride + h * D, tables + b * table_stride, positions[b] + 1, g,
+                   scores + (b * H + h) * scores_stride, scores_stride, out + b * H * D + h * D, G);
+        }
+    }
+}
+
 /* RoPE on q and k, every row's new k/v written to its slot, then every (row, head) attends.
  * Two phases on purpose: ALL rows' K/V of this layer are in the cache before ANY row attends, so
  * row j of a sequence (position c + j) finds rows 0..j-1 of the same step among its keys 0..c+j,
@@ -364,12 +393,6 @@ static void attention_block(const ModelPtrs *m, const LayerPtrs *L, const Scratc
                             int nthreads) {
     int64_t H = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim, bs = m->block_size;
     int64_t qkv_dim = (H + 2 * Hkv) * D;
-    /* phase 2 reads only. Rows enough to keep every thread busy (ROW_ITEMS_PER_THREAD each), and
-     * each kv head's query heads one group: one work item per row, every kv head together
-     * (attend_heads says why); dynamic, as rows' contexts differ. Else one work item per
-     * (row, kv head, group of its query heads). */
-    int64_t per_kv = H / Hkv, passes = (per_kv + ATTN_GROUP - 1) / ATTN_GROUP;
-    int row_wide = per_kv <= ATTN_GROUP && H <= ROW_HEADS_MAX && B >= ROW_ITEMS_PER_THREAD * nthreads;
     #pragma omp parallel num_threads(nthreads)
     {
         #pragma omp for schedule(static)
@@ -380,22 +403,38 @@ static void attention_block(const ModelPtrs *m, const LayerPtrs *L, const Scratc
             write_kv(m, L, tables[b * table_stride + pos / bs] * bs + pos % bs, row + H * D,
                      row + (H + Hkv) * D);
         }
-        if (row_wide) {
-            #pragma omp for schedule(dynamic, 1) nowait
-            for (int64_t b = 0; b < B; b++)
-                attend_row(m, L, s->qkv + b * qkv_dim, tables + b * table_stride, positions[b] + 1,
-                           s->scores + b * H * s->scores_stride, s->scores_stride, s->attn + b * H * D,
-                           (int)per_kv);
-        } else {
-            #pragma omp for schedule(static) nowait
-            for (int64_t item = 0; item < B * Hkv * passes; item++) {
-                int64_t b = item / (Hkv * passes), g = item / passes % Hkv, pass = item % passes;
-                int64_t h = g * per_kv + pass * ATTN_GROUP;   /* the pass's first query head */
-                int G = (int)(per_kv - pass * ATTN_GROUP < ATTN_GROUP ? per_kv - pass * ATTN_GROUP : ATTN_GROUP);
-                attend(m, L, s->qkv + b * qkv_dim + h * D, tables + b * table_stride, positions[b] + 1, g,
-                       s->scores + (b * H + h) * s->scores_stride, s->scores_stride,
-                       s->attn + b * H * D + h * D, G);
-            }
-        }
+        attend_rows(m, L, s->qkv, qkv_dim, B, positions, tables, table_stride, s->scores, s->scores_stride,
+                    s->attn, nthreads);
     }
+}
+
+/* Attention of B query rows (float32 [B, H, D]) over a paged KV cache whose new keys and values
+ * are already written, for the PyTorch path's decode rows (kernels/paged_attention.py): the fused
+ * step's own attention, so a mixed step's decode rows read the cache in place instead of
+ * gathering a copy of their blocks for SDPA. Row b sees keys 0 .. positions[b] through tables +
+ * b * table_stride (block ids). The cache: [blocks, block_size, Hkv, D] in kv_format (KV_F32,
+ * KV_BF16, or KV_INT8 with its scales [blocks, block_size, Hkv]). out: float32 [B, H, D]. Returns
+ * 0; -1 for what it does not take (H not a multiple of Hkv, more than ROW_HEADS_MAX heads); -2
+ * out of memory. nthreads <= 0: the OpenMP default. */
+int64_t ms_paged_attention(const float *q, int64_t B, int64_t H, int64_t Hkv, int64_t D, void *k_cache,
+                           void *v_cache, float *k_scales, float *v_scales, int64_t kv_format,
+                           int64_t block_size, const int64_t *tables, int64_t table_stride,
+                           const int64_t *positions, float scale, float *out, int64_t nthreads) {
+    if (B < 1 || Hkv < 1 || H % Hkv || H > ROW_HEADS_MAX || D < 1 || block_size < 1
+        || (kv_format == KV_INT8 && (!k_scales || !v_scales)))
+        return -1;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; b++) longest = positions[b] + 1 > longest ? positions[b] + 1 : longest;
+    float *scores = malloc((size_t)(B * H * longest) * sizeof(float));
+    if (!scores) return -2;
+    ModelPtrs m = {0};
+    m.num_heads = H, m.num_kv_heads = Hkv, m.head_dim = D, m.block_size = block_size;
+    m.kv_format = kv_format, m.scale = scale;
+    LayerPtrs L = {0};
+    L.k_cache = k_cache, L.v_cache = v_cache, L.k_scales = k_scales, L.v_scales = v_scales;
+    int nt = nthreads > 0 ? (int)nthreads : omp_get_max_threads();
+    #pragma omp parallel num_threads(nt)
+    attend_rows(&m, &L, q, H * D, B, positions, tables, table_stride, scores, longest, out, nt);
+    free(scores);
+    return 0;
 }

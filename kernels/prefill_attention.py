@@ -10,7 +10,8 @@ attention with register-blocked products and the keys transposed once, about twi
 bfloat16, a head size that is not a multiple of 64, a short chunk, no compiler), and the caller then
 runs SDPA: the two compute the same attention up to rounding (tests/test_prefill_attention.py).
 bfloat16 runs on AMX tiles where the CPU has them, and is widened to float32 elsewhere (below).
-``MINSERVE_PREFILL_ATTENTION=sdpa`` turns the kernel off; ``=c`` (the default) uses it where it applies.
+``MINSERVE_PREFILL_ATTENTION=sdpa`` turns the kernel off, and kernels/paged_attention.py's for the
+decode rows beside a chunk; ``=c`` (the default) uses them where they apply.
 """
 
 from __future__ import annotations

@@ -41,6 +41,16 @@ def _seed_global_rngs():
     np.random.seed(0)
 
 
+@pytest.fixture
+def sdpa_reference(monkeypatch):
+    """For tests where the PyTorch path is the reference for the fused C step: its attention stays
+    in SDPA. By default its decode rows run the fused step's own attention
+    (kernels/paged_attention.py), and a fault there would then be in both paths at once. (The
+    PyTorch path itself, decode rows in C included, is checked against transformers:
+    test_correctness_vs_transformers.py.)"""
+    monkeypatch.setenv("MINSERVE_PREFILL_ATTENTION", "sdpa")
+
+
 @pytest.fixture(scope="session")
 def tiny_llm():
     from minserve import LLM

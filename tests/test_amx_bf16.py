@@ -16,8 +16,9 @@ from minserve import LLM
 from minserve.kernels.build import cpu_flags, load
 from minserve.kernels.decode import WEIGHT_BF16, FusedDecoder, _Weight
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="no C compiler: the fused decode kernel cannot be built")
+pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                 reason="no C compiler: the fused decode kernel cannot be built"),
+              pytest.mark.usefixtures("sdpa_reference")]   # conftest.py says why
 
 
 def _lib():

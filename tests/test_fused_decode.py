@@ -23,8 +23,10 @@ from minserve.models.tiny import write_tiny_model
 from conftest import assert_all_blocks_free
 from variants import VARIANTS
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="no C compiler: the fused decode kernel cannot be built")
+pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                 reason="no C compiler: the fused decode kernel cannot be built"),
+              pytest.mark.usefixtures("sdpa_reference")]   # conftest.py says why
+
 
 CONTEXTS = [5, 70, 600]  # one block, several, and past the kernel's initial softmax scratch (256)
 # Nine rows: at one or two threads, attention takes one work item per row (every kv head of the

@@ -33,8 +33,10 @@ from minserve.quant import QuantScheme, quantize_
 from minserve.quant.formats import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 from test_fused_verify import _step  # the same shuffled block tables as the verify tests
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="no C compiler: the fused decode kernel cannot be built")
+pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                 reason="no C compiler: the fused decode kernel cannot be built"),
+              pytest.mark.usefixtures("sdpa_reference")]   # conftest.py says why
+
 
 # Every input width a multiple of 128, so each group size fits every matrix: hidden 128, four
 # heads of 32 (o_proj reads 128), intermediate 256 (down_proj reads 256).

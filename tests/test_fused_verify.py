@@ -25,8 +25,10 @@ from minserve.models.tiny import write_tiny_model
 from minserve.models.weights import WeightDescriptor
 from variants import VARIANTS
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="no C compiler: the fused decode kernel cannot be built")
+pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                 reason="no C compiler: the fused decode kernel cannot be built"),
+              pytest.mark.usefixtures("sdpa_reference")]   # conftest.py says why
+
 
 # Mixed in one step, in an order that is neither grouped nor sorted: decodes, verifications of
 # 2..5 rows, a fresh sequence (context 0), rows crossing a block boundary (14 + 5 > 16), and a

@@ -12,6 +12,7 @@ once per layer.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,17 @@ class AttentionGroup:
     @property
     def token_end(self) -> int:
         return self.token_start + self.num_seqs * self.query_len
+
+    @functools.cached_property
+    def row_positions(self) -> torch.Tensor:
+        """[num_seqs * query_len] each query row's position: the last key it may see."""
+        return torch.tensor([c + j for c in self.context_lens for j in range(self.query_len)],
+                            dtype=torch.long, device=self.kv_blocks.device)
+
+    @functools.cached_property
+    def row_tables(self) -> torch.Tensor:
+        """[num_seqs * query_len, blocks] each query row's block table (its sequence's)."""
+        return self.kv_blocks.repeat_interleave(self.query_len, dim=0)
 
 
 @dataclass

@@ -14,8 +14,10 @@ reads a lone sequence's blocks as a view. A kernel that dequantizes in registers
 (kernels/triton/paged_decode.py, the fused C step) is where int8 KV can become speed.
 
 Prefill chunks in float32 on the CPU (at least ``MIN_QUERY_LEN`` queries) run their attention in C
-instead (kernels/prefill_attention.py: a flash attention about twice as fast as PyTorch's CPU SDPA);
-anything it does not take goes to SDPA as before.
+instead (kernels/prefill_attention.py: a flash attention about twice as fast as PyTorch's CPU SDPA),
+and so do the rows of shorter groups, decode rows above all (kernels/paged_attention.py: the fused
+decode step's attention, reading the cache in place, int8 codes included); anything they do not
+take goes to SDPA as before.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from minserve.attention.metadata import AttentionMetadata
+from minserve.kernels import paged_attention as paged
 from minserve.kernels.prefill_attention import MIN_QUERY_LEN, applies, prefill_attention
 from minserve.kernels.triton.reference import dequantize_kv_int8, write_kv_int8
 
@@ -61,6 +64,11 @@ class TorchPagedAttention:
     def _group(self, q, caches, g) -> torch.Tensor:
         if g.query_len >= MIN_QUERY_LEN and applies(q, self.head_dim):
             out = self._prefill_in_c(q, caches, g)
+            if out is not None:
+                return out
+        if paged.applies(q, g.query_len, caches[0]):   # decode rows: the cache read in place
+            out = paged.paged_attention(q.view(-1, self.num_heads, self.head_dim), caches, g.row_tables,
+                                        g.row_positions, self.scale)
             if out is not None:
                 return out
         n, ql = g.num_seqs, g.query_len
