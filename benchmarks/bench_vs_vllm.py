@@ -10,7 +10,8 @@ engine produces exactly the requested tokens. Three measurements per engine:
    so prefill and per-call overhead cancel;
 3. batch-16 decode: the same subtraction for 16 requests of n tokens at once, and its ratio to
    batch 1 (how much a step gains from batching);
-4. prefill: 1024-token prompts one at a time, one output token each: prompt tokens per second.
+4. prefill: 1024-token prompts one at a time, one output token each, after one untimed (an
+   engine's first step of a new size pays one-time costs): prompt tokens per second.
 
 For each minserve engine the mixed workload's time is also split by kind of step (prefill, mixed,
 decode; ``step_kinds.py``): the profile that says what bounds the mixed figure.
