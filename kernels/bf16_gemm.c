@@ -116,7 +116,8 @@ static void product_block(const uint16_t *W, int64_t in, int64_t out, const uint
  * (2026-12-06). */
 static int64_t panel_count(int64_t fblocks, int64_t tblocks, int64_t in, int nt) {
     int64_t cap = PANEL_BYTES / (64 * in), want = fblocks * tblocks / (4 * nt);
-    int64_t per = want < 1 ? 1 : want < cap ? want : cap < 1 ? 1 : cap;
+    int64_t per = want < cap ? want : cap;
+    if (per < 1) per = 1;
     return (fblocks + per - 1) / per;
 }
 

@@ -64,12 +64,12 @@ def paged_attention(q: torch.Tensor, caches: tuple, tables: torch.Tensor, positi
         return None
     qf = q.float().contiguous()
     t, p = tables.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
-    if (t.shape[0] != rows or p.shape != (rows,) or int(p.min()) < 0 or int(p.max()) >= t.shape[1] * block_size
-            or int(t.min()) < 0 or int(t.max()) >= blocks):
-        raise ValueError(f"paged_attention: {rows} query rows, tables {tuple(t.shape)} (ids "
-                         f"{int(t.min())}..{int(t.max())} of {blocks} blocks), positions {tuple(p.shape)} "
-                         f"({int(p.min())}..{int(p.max())}): want one table row of block ids and one "
-                         f"position < its columns x {block_size} per query row")
+    (t_lo, t_hi), (p_lo, p_hi) = (tuple(int(x) for x in a.aminmax()) for a in (t, p))   # the C side reads where they point
+    if (t.shape[0] != rows or p.shape != (rows,) or p_lo < 0 or p_hi >= t.shape[1] * block_size
+            or t_lo < 0 or t_hi >= blocks):
+        raise ValueError(f"paged_attention: {rows} query rows, tables {tuple(t.shape)} (ids {t_lo}..{t_hi} "
+                         f"of {blocks} blocks), positions {tuple(p.shape)} ({p_lo}..{p_hi}): want one "
+                         f"table row of block ids and one position < its columns x {block_size} per query row")
     out = torch.empty(rows, H, D, dtype=torch.float32)
     scales = [None if s is None else _P(s.data_ptr()) for s in (k_scales, v_scales)]
     rc = _library().ms_paged_attention(
