@@ -98,7 +98,10 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         raise ValueError(f"prefill_attention: q {tuple(q.shape)}, keys {tuple(keys.shape)}, "
                          f"values {tuple(values.shape)}: want [T, H, D] and [L >= T, Hkv | H, D]")
     if q.dtype is torch.bfloat16 and tiles_on():
-        return _call(_library().ms_prefill_attention_bf16, _u16p, (q, keys, values), T, H, Hkv, D, L,
+        # The entry reads raw bf16 bytes: keys and values in another dtype (an int8 cache's
+        # dequantized float32) would be read as garbage, so they come to q's dtype first.
+        return _call(_library().ms_prefill_attention_bf16, _u16p,
+                     (q, keys.to(torch.bfloat16), values.to(torch.bfloat16)), T, H, Hkv, D, L,
                      scale, num_threads)
     out = _call(_library().ms_prefill_attention, _f32p, (q.float(), keys.float(), values.float()),
                 T, H, Hkv, D, L, scale, num_threads)

@@ -136,6 +136,21 @@ def test_mismatched_shapes_name_both():
         pa.prefill_attention(torch.zeros(32, 4, 64), torch.zeros(20, 2, 64), torch.zeros(20, 2, 64), 1.0)
 
 
+def test_bfloat16_queries_take_float32_keys_and_values():
+    """An int8 KV cache dequantizes to float32 while a bf16 engine's queries are bf16: the kernel
+    must attend to those values, not read their float32 bytes as bf16 ones (it did, on the tiles:
+    NaN from the first position, 2026-12-06)."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(40, 9, 64, generator=g).to(torch.bfloat16)
+    k, v = torch.randn(70, 3, 64, generator=g), torch.randn(70, 3, 64, generator=g)
+    out = pa.prefill_attention(q, k, v, 0.125)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    # Outputs ~0.18 in size: bf16 rounding of the output (2^-9 relative) and, on the tiles, of the
+    # keys and values (measured: at most 0.0046 from the float64 result on either path).
+    expected = _reference(q.double(), k.double(), v.double(), 0.125)
+    torch.testing.assert_close(out.double(), expected, rtol=2 ** -7, atol=1e-2)
+
+
 def test_the_switch_is_checked(monkeypatch):
     monkeypatch.setenv("MINSERVE_PREFILL_ATTENTION", "fast")
     with pytest.raises(ValueError, match="MINSERVE_PREFILL_ATTENTION must be one of c, sdpa"):
@@ -172,7 +187,8 @@ def test_the_engine_prefills_through_the_kernel_with_sdpa_s_outputs(monkeypatch)
 
 
 @needs_tiles
-def test_a_bfloat16_engine_prefills_on_the_tiles_with_sdpa_s_outputs(monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_bfloat16_engine_prefills_on_the_tiles_with_sdpa_s_outputs(monkeypatch, kv_cache_dtype):
     """The same prompts (chunked, over cached context) through a dtype="bfloat16" engine: the tiles
     and PyTorch's bf16 SDPA pick the same first token (the one the prompt's attention decides). A bf16
     engine's later tokens and log-probabilities move with any change of summation order in any of
@@ -183,8 +199,9 @@ def test_a_bfloat16_engine_prefills_on_the_tiles_with_sdpa_s_outputs(monkeypatch
     g = torch.Generator().manual_seed(12)
     base = torch.randint(100, 40000, (150,), generator=g).tolist()
     prompts = [base, base[:40] + [9] * 30, torch.randint(100, 40000, (20,), generator=g).tolist(), base]
-    with_tiles, calls = _greedy(monkeypatch, "c", prompts, dtype="bfloat16")
-    with_sdpa, _ = _greedy(monkeypatch, "sdpa", prompts, dtype="bfloat16")
+    engine = dict(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
+    with_tiles, calls = _greedy(monkeypatch, "c", prompts, **engine)
+    with_sdpa, _ = _greedy(monkeypatch, "sdpa", prompts, **engine)
     assert calls
     for (ids_c, lp_c), (ids_s, lp_s) in zip(with_tiles, with_sdpa):
         assert ids_c[0] == ids_s[0]

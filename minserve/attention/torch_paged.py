@@ -89,9 +89,9 @@ class TorchPagedAttention:
         its own earlier positions, the same keys g.mask lets SDPA see. None: use SDPA."""
         k_cache, v_cache, k_scales, v_scales = caches
         keys, values = self._rows(k_cache, g), self._rows(v_cache, g)   # [n, L, Hkv, D]
-        if k_scales is not None:
-            keys = dequantize_kv_int8(keys, self._rows(k_scales, g))
-            values = dequantize_kv_int8(values, self._rows(v_scales, g))
+        if k_scales is not None:  # int8: codes x scales, in the query's dtype (as for SDPA below)
+            keys = dequantize_kv_int8(keys, self._rows(k_scales, g)).to(q.dtype)
+            values = dequantize_kv_int8(values, self._rows(v_scales, g)).to(q.dtype)
         queries = q.view(g.num_seqs, g.query_len, self.num_heads, self.head_dim)
         outs = []
         for i, ctx in enumerate(g.context_lens):
