@@ -73,6 +73,20 @@ def test_kl_of_a_model_with_itself_is_zero_and_with_another_matches_transformers
     assert kl > 0 and kl == pytest.approx((p.exp() * (p - q)).sum(-1).mean().item(), rel=1e-4)
 
 
+def test_kl_sees_the_rows_kv_cache_format(tiny, texts):
+    """The distributions the KL compares are the engine's own: with an int8 KV cache, each next
+    token's log-probability is the one its prompt_logprobs report (the real paged cache, the real
+    rounding), and the KL against the float32 cache is above 0 (a scratch cache in the model's
+    dtype measured exactly 0 for every kv_cache_dtype row)."""
+    kv8 = LLM("tiny-llama", max_num_batched_tokens=64, num_kv_blocks=256, kv_cache_dtype="int8")
+    seq = metrics.scored_sequences(kv8.get_tokenizer(), texts[:1])[0]
+    full = torch.cat(list(metrics.next_token_logprobs(kv8, seq)))
+    picked = full[torch.arange(len(seq) - 1), torch.tensor(seq[1:])]
+    (served,) = metrics.token_logprobs(kv8, [seq])
+    torch.testing.assert_close(picked, torch.tensor(served), rtol=0, atol=1e-4)
+    assert metrics.mean_kl(tiny, kv8, texts[:1]) > 1e-7
+
+
 def test_greedy_agreement(tiny, texts):
     agree = metrics.greedy_agreement([[1, 2, 3, 4], [1, 2, 3, 4]], [[1, 2, 9, 4], [1, 2, 3, 4]])
     assert agree.first_difference == [2, 4] and agree.num_identical == 1 and agree.mean_fraction == 0.75

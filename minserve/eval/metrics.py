@@ -23,6 +23,7 @@ from typing import Iterator, Sequence
 import torch
 
 from minserve.attention import StepSequences
+from minserve.engine.kv_sizing import allocate_layer_kv
 from minserve.eval.data import ANSWER_MAX_TOKENS, ANSWER_STOP, Question, is_correct
 from minserve.sampling_params import SamplingParams
 
@@ -71,13 +72,15 @@ def next_token_logprobs(llm, tokens: list[int], chunk_rows: int = KL_CHUNK_ROWS)
     """Full next-token log-distributions [rows, vocab] (fp32) after each position but the last,
     chunk by chunk. One forward pass of the engine's own model over a scratch KV cache: a single
     fresh sequence writes each layer's K/V and reads it back before the next layer writes, so
-    all layers can share one scratch (as ModelRunner._profile_largest_step does)."""
+    all layers can share one scratch (as ModelRunner._profile_largest_step does). The scratch is
+    in the engine's kv_cache_dtype: an int8 cache's rounding is part of what a row measures (a
+    scratch in the model's dtype gave `fp32:kv_cache_dtype=int8` a KL of exactly 0 until
+    2026-12-06)."""
     runner = llm.llm_engine.runner
-    model, device, bs = runner.model, runner.device, runner.block_size
+    model, device, bs, cfg = runner.model, runner.device, runner.block_size, runner.config
     mc, n = model.config, len(tokens)
     blocks = -(-n // bs)
-    scratch = tuple(torch.zeros((blocks, bs, mc.num_kv_heads, mc.head_dim), dtype=runner.config.torch_dtype,
-                                device=device) for _ in range(2))
+    scratch = allocate_layer_kv(mc, blocks, bs, cfg.torch_dtype, device, cfg.kv_cache_dtype)
     meta = runner.layer_backend.build_metadata(StepSequences([n], [0], [list(range(blocks))]))
     ids = torch.tensor(tokens, dtype=torch.long, device=device)
     h = model.hidden_states(ids, torch.arange(n, device=device), [scratch] * mc.num_layers, meta)
