@@ -179,12 +179,13 @@ def test_a_bfloat16_model_decodes_in_the_kernel_as_its_float32_widening_would():
 
 
 def test_kernel_build_is_cached_and_keyed_by_flags(tmp_path, monkeypatch):
+    # token_ops: the same build() as decode's, compiled in 0.4 s instead of decode.c's ~20.
     monkeypatch.setenv("MINSERVE_CACHE", str(tmp_path))
-    first = kernel_build.build("decode")
+    first = kernel_build.build("token_ops")
     mtime = first.stat().st_mtime_ns
-    assert kernel_build.build("decode") == first and first.stat().st_mtime_ns == mtime  # reused
+    assert kernel_build.build("token_ops") == first and first.stat().st_mtime_ns == mtime  # reused
     monkeypatch.setattr(kernel_build, "FLAGS", kernel_build.FLAGS + ["-DMINSERVE_TEST_FLAG"])
-    assert kernel_build.library_path("decode") != first  # other flags, other binary
+    assert kernel_build.library_path("token_ops") != first  # other flags, other binary
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]  # no temp files left
 
 
