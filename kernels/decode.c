@@ -58,10 +58,13 @@
 #endif
 /* How far ahead of the weight stream the first pass prefetches, in bytes, by format. At 1 KiB bf16
  * weights streamed at ~23 GB/s where float32 reached ~31; 2 KiB took the Intel Xeon's bf16 batch-1
- * products from 12.5-13.9 to 8.0-9.2 ms a step (4 KiB measured as 2). float32 stays at 1 KiB: 2
- * gained ~4 % at 1 row and lost 15 % at 4 rows (15.7-16.3 -> 17.7-18.5 ms). FusedDecoder.
- * step_profile, alternating runs, 2026-12-05. */
+ * products from 12.5-13.9 to 8.0-9.2 ms a step (4 KiB measured as 2). float32 takes 2 KiB at one
+ * row and 1 KiB at more: 2 gained ~4 % at 1 row and lost 15 % at 4 rows (15.7-16.3 -> 17.7-18.5
+ * ms). FusedDecoder.step_profile, alternating runs, 2026-12-05; the one-row case again on
+ * 2026-12-06, nine alternating runs of a float32 step at 64 tokens of context: 26.6 against 27.1
+ * ms (median of 25 steps each, averaged), the host in a slow phase. */
 #define PREFETCH_BYTES_F32 1024
+#define PREFETCH_BYTES_F32_ONE_ROW 2048
 #define PREFETCH_BYTES_BF16 2048
 
 /* How a matrix is stored: the Python side sets format from the layer's descriptor and checks every
@@ -276,7 +279,8 @@ static int64_t dense_matmul(const void *W, const float *bias, const float *x, fl
                  * prefetches the next tile, which the first pass then finds in cache (batch 16,
                  * AVX2-only EPYC: the step's products 65 -> 59.5 ms). */
                 int64_t elt = bf16 ? 2 : 4, pf = 0;
-                if (b == 0) pf = bf16 ? PREFETCH_BYTES_BF16 : PREFETCH_BYTES_F32;
+                if (b == 0)
+                    pf = bf16 ? PREFETCH_BYTES_BF16 : B == 1 ? PREFETCH_BYTES_F32_ONE_ROW : PREFETCH_BYTES_F32;
                 else if (b == DENSE_BATCH_PASS && t + 1 < tiles) pf = ROW_TILE * in * elt;
                 /* a constant nb and format per case: the loops unroll into registers */
 #define CASE(n) case n: if (bf16) dot_rows(W, in, r0, r1, xb, in, yb, out, n, accumulate, 1, pf); \
