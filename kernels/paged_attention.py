@@ -60,7 +60,8 @@ def paged_attention(q: torch.Tensor, caches: tuple, tables: torch.Tensor, positi
     blocks, block_size, Hkv = k_cache.shape[:3]
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype
             and (k_scales is None) == (k_cache.dtype != torch.int8) and k_cache.shape[3] == D
-            and all(s is None or s.is_contiguous() for s in (k_scales, v_scales))):
+            and all(s is None or (s.is_contiguous() and s.dtype == torch.float32
+                                  and s.shape == k_cache.shape[:3]) for s in (k_scales, v_scales))):
         return None
     qf = q.float().contiguous()
     t, p = tables.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()

@@ -101,6 +101,18 @@ def test_positions_past_the_table_are_refused_with_the_sizes():
         paged.paged_attention(q, (*caches, None, None), g.row_tables + BLOCKS, g.row_positions, D ** -0.5)
 
 
+def test_int8_scales_it_cannot_read_as_float32_are_declined():
+    """The C side reads the scales as float32 [blocks, block_size, Hkv]: any other dtype or a
+    shorter tensor would be read out of bounds, so the kernel declines (SDPA takes the rows)."""
+    meta, (q, _, _), caches = _step(torch.int8, 1, seed=3)
+    g = meta.groups[0]
+    k, v, ks, vs = caches
+    args = (g.row_tables, g.row_positions, D ** -0.5)
+    assert paged.paged_attention(q, (k, v, ks, vs), *args) is not None
+    assert paged.paged_attention(q, (k, v, ks.to(torch.bfloat16), vs), *args) is None
+    assert paged.paged_attention(q, (k, v, ks, vs[:-1]), *args) is None
+
+
 def test_a_mixed_step_s_decode_rows_take_the_kernel_with_sdpa_s_outputs(monkeypatch):
     """An engine whose prompts arrive in 48-token chunks while earlier requests decode: the mixed
     steps' decode rows go to the kernel, and greedy tokens and log-probabilities are SDPA's."""
