@@ -6,7 +6,8 @@ the step is from it, is the first thing to know before optimizing it. This scrip
 ceilings here and then times the three step types that decide a server's behaviour:
 
 - **ceilings**: the instruction rates of fp32 FMA, bf16 dot products (``vdpbf16ps``, AVX-512
-  BF16) and int8 dot products (``vpdpbusd``, VNNI), measured in registers by kernels/ceiling.c on
+  BF16), int8 dot products (``vpdpbusd``, VNNI) and AMX's bf16 tile product (``TDPBF16PS``, where
+  the CPU has it and Linux grants the tile state), measured in registers by kernels/ceiling.c on
   every thread; the rate PyTorch's own GEMM reaches on a 2048-cube in fp32 and bf16 (what the
   library achieves, cache blocking included); the read bandwidth (the faster of a C loop and
   ``torch.sum`` over 512 MiB). Measured before and after the steps; each ceiling is the higher of
@@ -29,8 +30,7 @@ planner's formulas, minserve/plan/budget.py: matmuls of every layer, attention, 
 sampled rows) as GFLOP/s and as a fraction of the fp32 and bf16 ceilings, the bytes it read as GB/s
 and as a fraction of the bandwidth, and the roofline: the least time the step could take at the
 fastest arithmetic its format could use (fp32: fp32 FMA; bf16, int8, int4: the bf16 ceiling, the
-higher of the bf16 dot-product rate and PyTorch's bf16 GEMM, which on an AMX CPU multiplies on the
-tiles; the fp32 FMA rate on a CPU without bf16 dot products; int8-a8, int4-a8 (int8 activations):
+highest of the bf16 dot-product rate, the AMX tile rate and PyTorch's bf16 GEMM; the fp32 FMA rate on a CPU without bf16 dot products; int8-a8, int4-a8 (int8 activations):
 the int8 dot-product rate, VNNI's or AVX2's vpmaddubsw) and full bandwidth, over the measured
 time. (The a8 formats run only their products in integers: attention and the rest stay fp32, so
 their rooflines are optimistic.)
@@ -59,7 +59,9 @@ FORMATS = {"fp32": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"quantization": "
            "int4": {"quantization": "int4"},
            "int8-a8": {"quantization": "int8", "quantization_config": A8},   # W8A8: int8 dot products
            "int4-a8": {"quantization": "int4", "quantization_config": A8}}   # W4A8
-KINDS = {"fp32_fma": 0, "bf16_dot": 1, "int8_dot": 2}
+KINDS = {"fp32_fma": 0, "bf16_dot": 1, "int8_dot": 2, "bf16_tiles": 3}
+KIND_ENTRIES = {"fp32_fma": "ms_ceiling_fp32", "bf16_dot": "ms_ceiling_bf16", "int8_dot": "ms_ceiling_int8",
+                "bf16_tiles": "ms_ceiling_tiles"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,7 +87,7 @@ def _ceiling_lib():
     lib.ms_ceiling_ops_per_iter.restype = ctypes.c_int64
     lib.ms_ceiling_ops_per_iter.argtypes = [ctypes.c_int]
     lib.ms_ceiling_threads.restype = ctypes.c_int
-    for name in ("ms_ceiling_fp32", "ms_ceiling_bf16", "ms_ceiling_int8"):
+    for name in KIND_ENTRIES.values():
         getattr(lib, name).restype = ctypes.c_double
         getattr(lib, name).argtypes = [ctypes.c_int64]
     lib.ms_ceiling_read.restype = ctypes.c_double
@@ -107,8 +109,7 @@ def instruction_rate(lib, kind: str, seconds: float = 0.3, repeats: int = 5) -> 
     per_iter = lib.ms_ceiling_ops_per_iter(KINDS[kind])
     if per_iter < 0:
         return None
-    fn = getattr(lib, {"fp32_fma": "ms_ceiling_fp32", "bf16_dot": "ms_ceiling_bf16",
-                       "int8_dot": "ms_ceiling_int8"}[kind])
+    fn = getattr(lib, KIND_ENTRIES[kind])
     iters = 1 << 16
     while True:   # grow the call until it lasts long enough to time
         t0 = time.perf_counter()
@@ -308,14 +309,14 @@ def measure_steps(fmt: str, args) -> dict:
 
 
 def bf16_ceiling(ceil: dict) -> float:
-    """The bf16 rate a step could reach here: the dot-product instruction rate (AVX-512 BF16), or
-    PyTorch's bf16 GEMM where that is higher: with AMX, oneDNN multiplies on the tiles, several times
-    the vector instruction rate (measured on the Intel Xeon host: 1,691 against 205 GFLOP/s).
-    Without bf16 dot products (no AVX-512 BF16, no AMX) the fp32 FMA rate: bf16, int8 and int4
-    products run in float32 tiles there (gemm.linear, kernels/quant.py's prefill_tile_dtype)."""
-    if ceil["bf16_dot"] is None and ceil.get("bf16_gemm_torch") is None:
-        return ceil["fp32_fma"]
-    return max(ceil["bf16_dot"] or 0.0, ceil.get("bf16_gemm_torch") or 0.0) or ceil["fp32_fma"]
+    """The bf16 rate a step could reach here: the highest of the dot-product instruction rate
+    (AVX-512 BF16), AMX's tile instruction rate and PyTorch's bf16 GEMM. With AMX the tiles are
+    several times the vector rate (Intel Xeon host, 2026-12-06: 1,940-2,110 GFLOP/s on two
+    threads against 171), and a GEMM on them stays below the tiles' own rate, which is the honest
+    ceiling. Without bf16 dot products (no AVX-512 BF16, no AMX) the fp32 FMA rate: bf16, int8 and
+    int4 products run in float32 tiles there (gemm.linear, kernels/quant.py's prefill_tile_dtype)."""
+    rates = [ceil.get(k) for k in ("bf16_dot", "bf16_tiles", "bf16_gemm_torch")]
+    return max((r for r in rates if r), default=0.0) or ceil["fp32_fma"]
 
 
 def step_rows(fmt: str, m: dict, ceil: dict, args) -> list[dict]:
@@ -348,7 +349,8 @@ def markdown(ceil: dict, rows: list[dict]) -> str:
     def g(x):
         return "n/a" if x is None else f"{x / 1e9:,.0f}"
     lines = [f"Ceilings ({ceil['threads']} threads): fp32 FMA {g(ceil['fp32_fma'])} GFLOP/s, bf16 dot "
-             f"{g(ceil['bf16_dot'])} GFLOP/s, int8 dot {g(ceil['int8_dot'])} GOP/s (instruction rates); "
+             f"{g(ceil['bf16_dot'])} GFLOP/s, AMX bf16 tiles {g(ceil.get('bf16_tiles'))} GFLOP/s, int8 dot "
+             f"{g(ceil['int8_dot'])} GOP/s (instruction rates); "
              f"torch GEMM fp32 {g(ceil['fp32_gemm_torch'])}, bf16 {g(ceil['bf16_gemm_torch'])} GFLOP/s"
              f"{' (emulated here, not timed)' if ceil['bf16_gemm_torch'] is None else ''}; "
              f"read bandwidth {ceil['read_bandwidth'] / 1e9:.1f} GB/s (C loop "

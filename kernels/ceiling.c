@@ -8,21 +8,27 @@
 // 4 cycles before its result can feed the next, and a core starts up to two per cycle, so at
 // least 8 chains in flight are needed to keep both pipes busy; 12 leaves headroom.
 //
-// Three instruction kinds, the ones minserve's kernels can use:
+// Four instruction kinds, the ones minserve's kernels can use:
 //   fp32  _mm512_fmadd_ps       16 lanes x 1 multiply-add          = 32 flops per instruction
 //   bf16  _mm512_dpbf16_ps      16 lanes x 2 bf16 products + add   = 64 flops (AVX-512 BF16)
 //   int8  _mm512_dpbusd_epi32   16 lanes x 4 u8*s8 products + add  = 128 ops  (AVX-512 VNNI)
+//   tiles _tile_dpbf16ps        16 x 16 outputs x 32 bf16 products = 16,384 flops (AMX; kind 3)
 // Without AVX-512 the fp32 ceiling falls back to AVX2 FMA (8 lanes) and the int8 one to AVX2's
 // _mm256_maddubs_epi16 (16 lanes x 2 u8*s8 products + add = 64 ops; what kernels/quant_a8.h's
 // AVX2 loops run on; on the AVX2 EPYC it retires at half the rate of 8-lane FMAs, 1.23 against
 // 2.43 G instructions/s on a thread in a scratch loop, but with 32 multiply-adds against 8: twice
 // the products). bf16 reports -1 there (instruction not available), so the library builds
 // everywhere.
+#define _DEFAULT_SOURCE   /* syscall (amx_bf16.h asks Linux for the AMX tile state) */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 
+#include "vmath.h"      /* what amx_bf16.h expects before it */
+#include "amx_bf16.h"   /* HAVE_AMX_BF16, amx_enable, amx_configure_square */
+
 #define ACC 12
+#define TILE_ACC 4        /* accumulator tiles: four C, two A, two B, each load serving two */
 
 int ms_ceiling_threads(void) { return omp_get_max_threads(); }
 
@@ -40,6 +46,9 @@ int64_t ms_ceiling_ops_per_iter(int kind) {
     if (kind == 2) return ACC * 16 * 8;
 #elif defined(__AVX2__)
     if (kind == 2) return ACC * 16 * 4;
+#endif
+#ifdef HAVE_AMX_BF16
+    if (kind == 3) return amx_enable(1) ? TILE_ACC * 16 * 16 * 32 * 2 : -1;
 #endif
     (void)kind;
     return -1;
@@ -121,6 +130,45 @@ double ms_ceiling_int8(int64_t iters) {
             _mm256_storeu_si256((__m256i *)out, acc[k]);
             for (int j = 0; j < 16; j++) total += out[j];
         }
+    }
+#else
+    (void)iters;
+#endif
+    return total;
+}
+
+// AMX: TILE_ACC independent accumulator tiles, each C += A . B per round with A = bf16 1.0 and
+// B = bf16 2^-5 (every output grows by exactly 1 a round: 32 products of 2^-5), operands loaded
+// once, so only the tile multiplier works. Returns the sum of every output of every thread:
+// threads * TILE_ACC * 256 * iters, exact in float32 for iters up to 2^24 (the tests check it).
+// 0 where this build or CPU has no AMX, or Linux refused the tile state.
+double ms_ceiling_tiles(int64_t iters) {
+    double total = 0.0;
+#ifdef HAVE_AMX_BF16
+    if (!amx_enable(1)) return 0.0;
+#pragma omp parallel reduction(+ : total)
+    {
+        static const uint16_t one = 0x3F80, step = 0x3D00;   /* bf16 1.0 and 2^-5 */
+        uint16_t a[16][32] __attribute__((aligned(64))), b[16][32] __attribute__((aligned(64)));
+        float c[16][16] __attribute__((aligned(64)));
+        for (int i = 0; i < 16; i++)
+            for (int j = 0; j < 32; j++) a[i][j] = one, b[i][j] = step;
+        amx_configure_square();
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        _tile_loadd(4, a, 64); _tile_loadd(5, a, 64); _tile_loadd(6, b, 64); _tile_loadd(7, b, 64);
+        for (int64_t i = 0; i < iters; i++) {
+            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 5, 6);
+            _tile_dpbf16ps(2, 4, 7); _tile_dpbf16ps(3, 5, 7);
+        }
+        for (int t = 0; t < TILE_ACC; t++) {
+            if (t == 0) _tile_stored(0, c, 64);
+            else if (t == 1) _tile_stored(1, c, 64);
+            else if (t == 2) _tile_stored(2, c, 64);
+            else _tile_stored(3, c, 64);
+            for (int i = 0; i < 16; i++)
+                for (int j = 0; j < 16; j++) total += c[i][j];
+        }
+        _tile_release();
     }
 #else
     (void)iters;

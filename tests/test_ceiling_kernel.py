@@ -95,6 +95,17 @@ def test_bf16_kernel_counts_two_products_per_lane(lib):
     assert got - base == pytest.approx(scale * float(acc.sum(dtype=np.float64)) - base, rel=0.02)
 
 
+def test_tile_kernel_counts_its_products(lib):
+    """Four accumulator tiles, each output + 32 products of 1.0 x 2^-5 a round: exactly 1."""
+    per_iter = lib.ms_ceiling_ops_per_iter(KINDS["bf16_tiles"])
+    if per_iter < 0:
+        assert lib.ms_ceiling_tiles(10) == 0.0
+        pytest.skip("no AMX tiles in this build, on this CPU or from Linux")
+    assert per_iter == 4 * 16 * 16 * 32 * 2
+    iters = 1000
+    assert lib.ms_ceiling_tiles(iters) == lib.ms_ceiling_threads() * 4 * 16 * 16 * iters
+
+
 def test_unavailable_kinds_say_so_instead_of_a_rate(lib):
     assert lib.ms_ceiling_ops_per_iter(99) == -1
     assert isinstance(ctypes.c_int64(lib.ms_ceiling_ops_per_iter(0)).value, int)
