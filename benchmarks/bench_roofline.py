@@ -301,8 +301,7 @@ def measure_steps(fmt: str, args) -> dict:
             d = st[(st.num_prefill_tokens == 0) & (st.num_decode_tokens == batch)]
             times += list(d.step_time_s)
         decode[batch] = statistics.median(times)
-    from minserve.engine.kv_cache import kv_cache_bytes_per_token
-    kv = kv_cache_bytes_per_token(eng.model_config, dtype=FORMATS[fmt].get("dtype", "float32"))
+    kv = eng.kv_spec.bytes_per_token   # the engine's own: its dtype and kv_cache_dtype
     return {"prefill_s": statistics.median(prefill_s), "decode16_s": decode[16], "decode1_s": decode[1],
             "weight_bytes": eng.runner.weight_footprint().streamed_bytes, "kv_bytes_per_token": kv,
             "cfg": eng.model_config}
