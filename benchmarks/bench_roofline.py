@@ -121,6 +121,24 @@ def instruction_rate(lib, kind: str, seconds: float = 0.3, repeats: int = 5) -> 
     return lib.ms_ceiling_threads() * iters * per_iter / best
 
 
+def host_probe(seconds: float = 0.04) -> dict:
+    """This moment's arithmetic, in GFLOP/s: fp32 FMA on one thread and on every thread, and AMX
+    tiles on every thread (None without tiles). On this project's VM both move within minutes (the
+    tile loop, 2026-12-06: 1.0 to 3.0 TFLOP/s on one thread, two threads 0.8x to 2x one thread's),
+    as other tenants come and go on the same cores; a benchmark prints it beside each round so a
+    reader can tell which rounds ran in a slow phase. Takes ~0.3 s."""
+    import torch
+    lib, threads = _ceiling_lib(), torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)   # the OpenMP team our kernels get: the same libgomp as torch's
+        one = instruction_rate(lib, "fp32_fma", seconds, repeats=3)
+    finally:
+        torch.set_num_threads(threads)
+    rates = {"fma_1t": one, "fma": instruction_rate(lib, "fp32_fma", seconds, repeats=3),
+             "tiles": instruction_rate(lib, "bf16_tiles", seconds, repeats=3)}
+    return {k: None if v is None else round(v / 1e9, 1) for k, v in rates.items()}
+
+
 def _timed(fn, iters: int) -> float:
     t0 = time.perf_counter()
     fn(iters)

@@ -22,6 +22,10 @@ Engines: minserve fp32 / bf16 (``dtype="bfloat16"``) / int8 / int4 in this proce
 bf16 each in a long-lived worker subprocess of vLLM's venv (``make vllm-venv``) that holds one
 ``vllm.LLM``. Runs alternate (engine after engine, the order rotated each round) and every figure
 is the median over rounds: a noisy neighbour on a shared 2-core box then hurts all engines alike.
+Each engine's round starts once the machine is quiet (``wait_until_quiet``: vLLM's worker keeps
+a core busy for about a second after its last request) and with a host probe (bench_roofline.host_probe: fp32 FMA on one thread
+and on all, AMX tiles), printed beside the round and kept as ``host_probe_runs``: on this project's
+VM the arithmetic moves by 2-3x within minutes, and the probe says which rounds ran slow.
 
 Threads: vLLM's CPU build by default pins its OpenMP threads to all cores but one ("reserved" for
 the server's other work); here it is given every core (``VLLM_CPU_OMP_THREADS_BIND=0-N``), as
@@ -256,6 +260,41 @@ def workloads(args, tokenizer):
     return work, decode_prompt, long_prompts, batch_prompts
 
 
+def busy_cores(window_s: float) -> float | None:
+    """Cores the whole machine kept busy over the next ``window_s`` (/proc/stat; None elsewhere)."""
+    def sample():
+        with open("/proc/stat") as f:
+            t = [int(x) for x in f.readline().split()[1:]]
+        return sum(t) - t[3] - t[4], sum(t)   # all but idle and iowait, all
+    try:
+        b0, a0 = sample()
+        time.sleep(window_s)
+        b1, a1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (b1 - b0) / max(a1 - a0, 1) * (os.cpu_count() or 1)
+
+
+def wait_until_quiet(max_wait_s: float = 10.0, window_s: float = 0.5, below: float = 0.25) -> float:
+    """Wait, up to ``max_wait_s``, until the machine keeps fewer than ``below`` cores busy; returns
+    the seconds waited. vLLM's worker keeps about a core busy for ~1 s after its last request
+    (2026-12-06: 0.51 of 2 cores over the 2 s after it, 0.01 later), and the engine whose round
+    started in that second ran its first steps beside it: its probe read fp32 FMA 101-134 GFLOP/s on
+    two threads against 172-175 on one."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < max_wait_s:
+        busy = busy_cores(window_s)
+        if busy is None or busy < below:
+            break
+    return time.monotonic() - t0
+
+
+def probe_line(p: dict) -> str:
+    """A host probe (bench_roofline.host_probe) in a few words."""
+    tiles = f", AMX tiles {p['tiles']:,.0f}" if p["tiles"] else ""
+    return f"host: FMA {p['fma_1t']:.0f} one thread, {p['fma']:.0f} all{tiles} GFLOP/s"
+
+
 def leading_agreement(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -305,6 +344,7 @@ def main() -> None:
 
     sys.path.insert(0, str(HERE))
     from bench_offline import machine_info
+    from bench_roofline import host_probe
     from minserve.models.loader import load_tokenizer, resolve_model_dir
 
     names = [n.strip() for n in args.engines.split(",") if n.strip()]
@@ -324,11 +364,13 @@ def main() -> None:
             engines[name].run([w["prompt_token_ids"] for w in work[:4]], [8] * min(4, len(work)))
             engines[name].run([long_prompts[0]], [2])
         per = {n: {m: [] for m in METRICS} for n in names}
-        tokens, step_kinds = {}, {}
+        tokens, step_kinds, probes = {}, {}, {n: [] for n in names}
         for r in range(args.runs):
             order = names[r % len(names):] + names[:r % len(names)]  # rotate: no engine always first
             for name in order:
                 e = engines[name]
+                wait_until_quiet()   # the previous engine's threads at rest
+                probes[name].append(host_probe())   # the host's phase as this round starts
                 m = mixed(e, work)
                 tokens[name] = m["tokens"]
                 if m["step_kinds"]:   # the last round's profile of the mixed workload
@@ -340,7 +382,7 @@ def main() -> None:
                 print(f"round {r + 1}/{args.runs} {name}: mixed {m['tok_s']:.1f} tok/s, decode "
                       f"{per[name]['decode_tok_s'][-1]:.1f} tok/s, batch-{len(batch_prompts)} "
                       f"{per[name]['decode16_tok_s'][-1]:.1f} tok/s, prefill "
-                      f"{per[name]['prefill_tok_s'][-1]:.0f} tok/s", flush=True)
+                      f"{per[name]['prefill_tok_s'][-1]:.0f} tok/s ({probe_line(probes[name][-1])})", flush=True)
     finally:
         infos = {n: e.info for n, e in engines.items()}
         for e in engines.values():
@@ -351,7 +393,8 @@ def main() -> None:
            "workload": {"num_requests": len(work), "prompt_tokens": sum(len(w["prompt_token_ids"]) for w in work),
                         "useful_output_tokens": sum(w["max_tokens"] for w in work)},
            "engines": {n: {**{k: statistics.median(v) for k, v in per[n].items()},
-                           **{f"{k}_runs": v for k, v in per[n].items()}} for n in names}}
+                           **{f"{k}_runs": v for k, v in per[n].items()},
+                           "host_probe_runs": probes[n]} for n in names}}
     res["ratios"] = ratios(res["engines"])
     res["mixed_step_kinds"] = {n: k["summary"] for n, k in step_kinds.items()}
     if "minserve-fp32" in tokens and "vllm-fp32" in tokens:

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_vs_vllm import ENGINES, GATE_FAILS, METRICS, ratios  # noqa: E402
+from bench_vs_vllm import (ENGINES, GATE_FAILS, METRICS, busy_cores, probe_line, ratios,  # noqa: E402
+                           wait_until_quiet)
 
 
 def _row(x: float) -> dict:
@@ -55,3 +56,25 @@ def test_step_kinds_account_for_every_prompt_token_and_decode_row():
     assert sum(k["share"] for k in s.values()) == pytest.approx(1.0)
     assert all(k["seconds"] > 0 for k in s.values() if k["steps"])
     assert "| decode |" in kinds.table()
+
+
+def test_the_probe_line_names_each_rate_and_leaves_out_missing_tiles():
+    assert probe_line({"fma_1t": 118.4, "fma": 232.6, "tiles": 4741.2}) == (
+        "host: FMA 118 one thread, 233 all, AMX tiles 4,741 GFLOP/s")
+    assert probe_line({"fma_1t": 60.0, "fma": 119.0, "tiles": None}) == "host: FMA 60 one thread, 119 all GFLOP/s"
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux's /proc/stat")
+def test_a_busy_core_is_seen_and_waited_out_up_to_the_limit():
+    """A process spinning on a core: busy_cores counts it, and wait_until_quiet waits its whole
+    limit for a machine that never goes quiet (the limit keeps a benchmark from hanging)."""
+    import subprocess
+    import time
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 4: pass"])
+    try:
+        time.sleep(0.3)
+        assert busy_cores(0.5) >= 0.7
+        assert wait_until_quiet(max_wait_s=1.0, window_s=0.25) >= 0.95
+    finally:
+        spin.kill()
+        spin.wait()

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_roofline  # noqa: E402
 from bench_roofline import KINDS, _ceiling_lib  # noqa: E402
 
 ACC = 12
@@ -116,3 +117,18 @@ def test_read_kernel_sums_every_float_of_its_slices(lib):
     n = 16 * ACC * 2 * 1000                      # divides evenly between 1 or 2 threads
     buf = torch.arange(n, dtype=torch.float32) % 7
     assert lib.ms_ceiling_read(buf.data_ptr(), n) == pytest.approx(float(buf.sum()), rel=1e-6)
+
+
+def test_the_host_probe_times_one_thread_then_the_team_and_restores_torch(lib, monkeypatch):
+    import torch
+    teams = []
+    inner = bench_roofline.instruction_rate
+    monkeypatch.setattr(bench_roofline, "instruction_rate",
+                        lambda lib_, kind, *a, **k: teams.append((kind, lib_.ms_ceiling_threads()))
+                        or inner(lib_, kind, *a, **k))
+    threads = torch.get_num_threads()
+    probe = bench_roofline.host_probe(seconds=0.01)
+    assert torch.get_num_threads() == threads
+    assert teams == [("fp32_fma", 1), ("fp32_fma", threads), ("bf16_tiles", threads)]
+    assert probe["fma_1t"] > 0 and probe["fma"] > 0
+    assert (probe["tiles"] is None) == (lib.ms_ceiling_ops_per_iter(KINDS["bf16_tiles"]) < 0)
