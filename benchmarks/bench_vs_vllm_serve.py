@@ -2,7 +2,8 @@
 
 The offline comparison (``bench_vs_vllm.py``) times each engine's ``generate``; this one measures
 what a user of the server sees. Every server is started once and kept up (idle servers take no
-CPU), on the same model folder and with the same limits; then each round runs the same
+CPU, once the ~1 s after a request is over: each round waits for a quiet machine and probes the
+host, as bench_vs_vllm.py does), on the same model folder and with the same limits; then each round runs the same
 ``minserve bench serve`` command against every server, the order rotated each round, and every
 figure is the median over rounds. The bench client is the one a user would run, over real HTTP:
 
@@ -158,9 +159,12 @@ def main() -> None:
     args = parse_args()
     sys.path.insert(0, str(HERE))
     from bench_offline import machine_info
+    from bench_roofline import host_probe
+    from bench_vs_vllm import probe_line, wait_until_quiet
 
     log_dir = Path(tempfile.mkdtemp(prefix="minserve-vs-vllm-serve-"))
     runs: dict[str, list[dict]] = {n: [] for n in args.names}
+    probes: dict[str, list[dict]] = {n: [] for n in args.names}
     load_start = os.getloadavg()
     with contextlib.ExitStack() as stack:
         bases = {}
@@ -170,17 +174,21 @@ def main() -> None:
         for r in range(args.rounds):
             order = args.names[r % len(args.names):] + args.names[:r % len(args.names)]
             for name in order:
+                wait_until_quiet()   # vLLM keeps a core busy for ~1 s after its last request
+                probe = host_probe()
+                probes[name].append(probe)
                 figs = bench(bases[name], args, log_dir / f"{name}-{r}")
                 runs[name].append(figs)
                 print(f"round {r + 1}/{args.rounds} {name}: goodput "
                       + " / ".join(f"{figs[x]['request_goodput']:.2f}" for x in args.rates)
-                      + f" req/s at {args.request_rates} req/s", flush=True)
+                      + f" req/s at {args.request_rates} req/s ({probe_line(probe)})", flush=True)
     res = {"args": {k: v for k, v in vars(args).items()}, "machine": machine_info(),
            "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "logs": str(log_dir),
            "servers": {n: {f"{rate:g}": {k: statistics.median(run[rate][k] for run in runs[n])
                                          for k in FIGURES}
                            for rate in args.rates} for n in args.names},
-           "runs": {n: [{f"{k:g}": v for k, v in run.items()} for run in runs[n]] for n in args.names}}
+           "runs": {n: [{f"{k:g}": v for k, v in run.items()} for run in runs[n]] for n in args.names},
+           "host_probe_runs": probes}
     res["markdown"] = markdown(res)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
