@@ -328,9 +328,9 @@ def measure_steps(fmt: str, args) -> dict:
 def bf16_ceiling(ceil: dict) -> float:
     """The bf16 rate a step could reach here: the highest of the dot-product instruction rate
     (AVX-512 BF16), AMX's tile instruction rate and PyTorch's bf16 GEMM. With AMX the tiles are
-    several times the vector rate (Intel Xeon host, 2026-12-06: 1,940-2,110 GFLOP/s on two
-    threads against 171), and a GEMM on them stays below the tiles' own rate, which is the honest
-    ceiling. Without bf16 dot products (no AVX-512 BF16, no AMX) the fp32 FMA rate: bf16, int8 and
+    several times the vector rate (this script on the Intel Xeon host, 2026-12-06: 4,741-4,799
+    GFLOP/s on two threads against 178-182, torch's bf16 GEMM 2,123-2,173), and a GEMM on them
+    stays below the tiles' own rate, which is the honest ceiling. Without bf16 dot products (no AVX-512 BF16, no AMX) the fp32 FMA rate: bf16, int8 and
     int4 products run in float32 tiles there (gemm.linear, kernels/quant.py's prefill_tile_dtype)."""
     rates = [ceil.get(k) for k in ("bf16_dot", "bf16_tiles", "bf16_gemm_torch")]
     return max((r for r in rates if r), default=0.0) or ceil["fp32_fma"]

@@ -261,18 +261,14 @@ def workloads(args, tokenizer):
 
 
 def busy_cores(window_s: float) -> float | None:
-    """Cores the whole machine kept busy over the next ``window_s`` (/proc/stat; None elsewhere)."""
-    def sample():
-        with open("/proc/stat") as f:
-            t = [int(x) for x in f.readline().split()[1:]]
-        return sum(t) - t[3] - t[4], sum(t)   # all but idle and iowait, all
-    try:
-        b0, a0 = sample()
-        time.sleep(window_s)
-        b1, a1 = sample()
-    except (OSError, ValueError, IndexError):
-        return None
-    return (b1 - b0) / max(a1 - a0, 1) * (os.cpu_count() or 1)
+    """Cores the whole machine kept busy over the next ``window_s`` (bench_offline.cpu_seconds,
+    /proc/stat; None where that is missing)."""
+    from bench_offline import cpu_seconds
+    w0, b0, _ = cpu_seconds()
+    time.sleep(window_s)
+    w1, b1, _ = cpu_seconds()
+    busy = (b1 - b0) / (w1 - w0)
+    return None if busy != busy else busy   # NaN: no /proc/stat
 
 
 def wait_until_quiet(max_wait_s: float = 10.0, window_s: float = 0.5, below: float = 0.25) -> float:
