@@ -123,9 +123,9 @@ def instruction_rate(lib, kind: str, seconds: float = 0.3, repeats: int = 5) -> 
 
 def host_probe(seconds: float = 0.04) -> dict:
     """This moment's arithmetic, in GFLOP/s: fp32 FMA on one thread and on every thread, and AMX
-    tiles on every thread (None without tiles). On this project's VM both move within minutes (the
-    tile loop, 2026-12-06: 1.0 to 3.0 TFLOP/s on one thread, two threads 0.8x to 2x one thread's),
-    as other tenants come and go on the same cores; a benchmark prints it beside each round so a
+    tiles on every thread (None without tiles). On this project's VM both move within minutes (this
+    probe in bench_vs_vllm's rounds, 2026-12-06: the tiles 1,705 to 4,714 GFLOP/s, FMA on one
+    thread 123 to 181), as other tenants come and go on the same cores; a benchmark prints it beside each round so a
     reader can tell which rounds ran in a slow phase. Takes ~0.3 s."""
     import torch
     lib, threads = _ceiling_lib(), torch.get_num_threads()
