@@ -275,9 +275,8 @@ def wait_until_quiet(max_wait_s: float = 10.0, window_s: float = 0.5, below: flo
     """Wait, up to ``max_wait_s``, until the machine keeps fewer than ``below`` cores busy; returns
     the seconds waited. vLLM's worker keeps about a core busy for ~1 s after its last request
     (2026-12-06, a scratch reading of /proc/stat: 0.51 of 2 cores over the 2 s after it, 0.01
-    later), and the engine whose round
-    started in that second ran its first steps beside it: its probe read fp32 FMA 101-134 GFLOP/s on
-    two threads against 172-175 on one."""
+    later), and the engine whose round started in that second ran its first steps beside it: its
+    probe read fp32 FMA 101-134 GFLOP/s on two threads against 172-175 on one."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < max_wait_s:
         busy = busy_cores(window_s)
