@@ -84,3 +84,21 @@ def assert_all_blocks_free(llm):
     assert pool.num_free == pool.num_blocks, f"{pool.num_blocks - pool.num_free} KV blocks still held"
     assert all(c == 0 for c in pool.ref_count)
     assert not eng.kv.block_tables and not eng.has_unfinished_requests()
+
+
+def seed_kernel_cache(cache: Path, name: str = "decode") -> Path:
+    """Copy this checkout's compiled ``name`` kernel into ``cache``/kernels under its own name, and
+    return the copy. A test that points a fresh cache at the engine (a wheel's copy of the
+    sources, a workshop's prepared cache) then loads it instead of compiling decode.c again (~20 s
+    at -O3, once per such test): the file name hashes every source file, the flags, the compiler
+    and the CPU (kernels/build.py), so a copy whose sources differ in any byte looks for another
+    name and still compiles. Compiling into an empty cache is tested in tests/test_fused_decode.py
+    (test_kernel_build_is_cached_and_keyed_by_flags)."""
+    import shutil
+
+    from minserve.kernels import build as kernel_build
+    built = kernel_build.build(name)   # the checkout's own (compiled here if no test did yet)
+    dest = cache / "kernels" / built.name
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(built, dest)
+    return dest

@@ -3,8 +3,8 @@
 pyproject.toml maps the package there (setuptools package-dir) and ships the C sources as package
 data. These tests check that the mapping holds everywhere the engine is imported from: the
 editable install the Makefile makes, a bare checkout (a ``python`` started in the repository), and
-a built wheel installed on its own, which then compiles and runs the fused decode step from its
-own copy of the source.
+a built wheel installed on its own, which then runs the fused decode step from its own copy of
+the source (that copy hashes to the checkout's build, which the test puts in its cache).
 """
 
 import json
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import seed_kernel_cache
 from minserve.kernels import build as kernel_build
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,7 +138,12 @@ WHEEL_SMOKE = textwrap.dedent("""
     assert Path(minserve.__file__).resolve().is_relative_to(site), minserve.__file__
     assert build.SOURCE_DIR.is_relative_to(site), build.SOURCE_DIR
     assert (build.SOURCE_DIR / "decode.c").is_file()
-    build.cache_dir = lambda: cache  # compile the installed copy afresh (models stay in the usual cache)
+    build.cache_dir = lambda: cache  # a cache of its own (models stay in the usual cache)
+    # The test put the checkout's decode build in that cache: the installed copy must hash to the
+    # same name (its sources, headers included, are the checkout's byte for byte), and the engine
+    # loads that file rather than compiling another.
+    seeded = build.library_path("decode")
+    assert seeded.exists(), f"the installed sources hash to {seeded.name}, not to the checkout's build"
     from minserve import LLM, SamplingParams
     llm = LLM("tiny-llama", num_kv_blocks=32, fused_decode=True, device="cpu")
     runner = llm.llm_engine.runner
@@ -155,7 +161,8 @@ WHEEL_SMOKE = textwrap.dedent("""
     out = llm.generate(["Hello", "The capital"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 4 for o in out), out
     assert calls, "no decode step ran in the fused kernel"
-    assert list((cache / "kernels").glob("libdecode-*.so")), "the installed source was not compiled"
+    assert Path(runner.fused.library_name) == seeded, runner.fused.library_name
+    assert [p.name for p in (cache / "kernels").iterdir()] == [seeded.name]
     # The gate's data and AWQ's calibration text come from the wheel too (no checkout on the path).
     from minserve.eval.data import default_data_dir, load_questions, load_texts
     from minserve.quant.awq import default_calibration_path, load_calibration
@@ -194,6 +201,7 @@ def test_wheel_installs_and_runs_the_fused_decode_step(tmp_path):
 
     # The venv's interpreter (torch & co. from its site-packages); the wheel's copy first on the path,
     # the repository nowhere on it (cwd is tmp_path).
+    seed_kernel_cache(tmp_path / "cache")   # the checkout's decode build: no second ~20 s compile
     run = subprocess.run([sys.executable, "-c", WHEEL_SMOKE, str(site), str(tmp_path / "cache")],
                          cwd=tmp_path, env=env | {"PYTHONPATH": str(site), "MINSERVE_LOG_LEVEL": "WARNING"},
                          capture_output=True, text=True, timeout=300)

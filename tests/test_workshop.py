@@ -1,6 +1,8 @@
 """Workshop mode: an absolute KV budget on CUDA, a prepared cache that sessions only read, and the
 doctor's checks."""
 
+import contextlib
+import io
 import os
 import stat
 from pathlib import Path
@@ -8,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import seed_kernel_cache
 from minserve import LLM, SamplingParams
 from minserve.cli import main
 from minserve.config import EngineConfig
@@ -65,14 +68,21 @@ def _chmod_tree(root: Path, remove: int = 0, add: int = 0) -> None:
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    """A cache prepared through the CLI (tiny-llama and the decode kernel), probe faked (slow)."""
+    """A cache prepared through the CLI (tiny-llama and the decode kernel), probe faked (slow).
+    The checkout's decode build is put in first: prepare finds it there rather than compiling
+    decode.c again (~20 s), and must still report it as its kernel step."""
     root = tmp_path_factory.mktemp("prepared") / "cache"
+    seeded = seed_kernel_cache(root)
     mp = pytest.MonkeyPatch()
     mp.setattr(probe, "measure", lambda: {"key": probe.machine_key(), "memory_bytes": 2**33,
                                           "bandwidth_bytes_per_s": 2e10, "fp32_flops_per_s": 1e11,
                                           "bf16_flops_per_s": 1e11, "measured_at": "test"})
-    assert main(["prepare", "--cache-dir", str(root), "--model", "tiny-llama"]) == 0
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):
+        assert main(["prepare", "--cache-dir", str(root), "--model", "tiny-llama"]) == 0
     mp.undo()
+    kernel_row = next(ln for ln in report.getvalue().splitlines() if "kernel decode" in ln)
+    assert " ok " in kernel_row and str(seeded) in kernel_row, report.getvalue()
     yield root
     _chmod_tree(root, add=stat.S_IWUSR)  # let pytest clean up
 
