@@ -22,10 +22,12 @@ Engines: minserve fp32 / bf16 (``dtype="bfloat16"``) / int8 / int4 in this proce
 bf16 each in a long-lived worker subprocess of vLLM's venv (``make vllm-venv``) that holds one
 ``vllm.LLM``. Runs alternate (engine after engine, the order rotated each round) and every figure
 is the median over rounds: a noisy neighbour on a shared 2-core box then hurts all engines alike.
-Each engine's round starts once the machine is quiet (``wait_until_quiet``: vLLM's worker keeps
-a core busy for about a second after its last request) and with a host probe (bench_roofline.host_probe: fp32 FMA on one thread
-and on all, AMX tiles), printed beside the round and kept as ``host_probe_runs``: on this project's
-VM the arithmetic moves by 2-3x within minutes, and the probe says which rounds ran slow.
+Each engine's round starts once the machine is quiet (``host_phase.wait_until_quiet``: vLLM's worker
+keeps a core busy for about a second after its last request) and with a host probe
+(bench_roofline.host_probe: fp32 FMA on one thread and on all, AMX tiles), printed beside the round
+and kept as ``host_probe_runs``: on this project's VM the arithmetic moves by 2-3x within minutes,
+and the probe says which rounds ran slow. A matched pair whose rounds ran in different phases gets
+a note under the ratios (``host_phase.phase_notes``).
 
 Threads: vLLM's CPU build by default pins its OpenMP threads to all cores but one ("reserved" for
 the server's other work); here it is given every core (``VLLM_CPU_OMP_THREADS_BIND=0-N``), as
@@ -260,37 +262,6 @@ def workloads(args, tokenizer):
     return work, decode_prompt, long_prompts, batch_prompts
 
 
-def busy_cores(window_s: float) -> float | None:
-    """Cores the whole machine kept busy over the next ``window_s`` (bench_offline.cpu_seconds,
-    /proc/stat; None where that is missing)."""
-    from bench_offline import cpu_seconds
-    w0, b0, _ = cpu_seconds()
-    time.sleep(window_s)
-    w1, b1, _ = cpu_seconds()
-    busy = (b1 - b0) / (w1 - w0)
-    return None if busy != busy else busy   # NaN: no /proc/stat
-
-
-def wait_until_quiet(max_wait_s: float = 10.0, window_s: float = 0.5, below: float = 0.25) -> float:
-    """Wait, up to ``max_wait_s``, until the machine keeps fewer than ``below`` cores busy; returns
-    the seconds waited. vLLM's worker keeps about a core busy for ~1 s after its last request
-    (2026-12-06, a scratch reading of /proc/stat: 0.51 of 2 cores over the 2 s after it, 0.01
-    later), and the engine whose round started in that second ran its first steps beside it: its
-    probe read fp32 FMA 101-134 GFLOP/s on two threads against 172-175 on one."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < max_wait_s:
-        busy = busy_cores(window_s)
-        if busy is None or busy < below:
-            break
-    return time.monotonic() - t0
-
-
-def probe_line(p: dict) -> str:
-    """A host probe (bench_roofline.host_probe) in a few words."""
-    tiles = f", AMX tiles {p['tiles']:,.0f}" if p["tiles"] else ""
-    return f"host: FMA {p['fma_1t']:.0f} one thread, {p['fma']:.0f} all{tiles} GFLOP/s"
-
-
 def leading_agreement(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -308,6 +279,7 @@ def markdown(res: dict) -> str:
         rows += ["", "| minserve / vLLM | " + " | ".join(METRICS) + " |", "| --- |" + " --- |" * len(METRICS)]
         rows += [f"| {pair} | " + " | ".join(f"{x:.2f}" for x in r.values()) + " |"
                  for pair, r in res["ratios"].items()]
+    rows += [f"\nNote: {n}." for n in res.get("phase_notes", [])]
     return "\n".join(rows)
 
 
@@ -341,6 +313,7 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from bench_offline import machine_info
     from bench_roofline import host_probe
+    from host_phase import phase_notes, probe_line, wait_until_quiet
     from minserve.models.loader import load_tokenizer, resolve_model_dir
 
     names = [n.strip() for n in args.engines.split(",") if n.strip()]
@@ -392,6 +365,7 @@ def main() -> None:
                            **{f"{k}_runs": v for k, v in per[n].items()},
                            "host_probe_runs": probes[n]} for n in names}}
     res["ratios"] = ratios(res["engines"])
+    res["phase_notes"] = phase_notes(probes, MATCHED)
     res["mixed_step_kinds"] = {n: k["summary"] for n, k in step_kinds.items()}
     if "minserve-fp32" in tokens and "vllm-fp32" in tokens:
         a, b = tokens["minserve-fp32"], tokens["vllm-fp32"]

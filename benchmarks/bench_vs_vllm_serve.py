@@ -160,7 +160,7 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from bench_offline import machine_info
     from bench_roofline import host_probe
-    from bench_vs_vllm import probe_line, wait_until_quiet
+    from host_phase import phase_notes, probe_line, wait_until_quiet
 
     log_dir = Path(tempfile.mkdtemp(prefix="minserve-vs-vllm-serve-"))
     runs: dict[str, list[dict]] = {n: [] for n in args.names}
@@ -189,7 +189,9 @@ def main() -> None:
                            for rate in args.rates} for n in args.names},
            "runs": {n: [{f"{k:g}": v for k, v in run.items()} for run in runs[n]] for n in args.names},
            "host_probe_runs": probes}
-    res["markdown"] = markdown(res)
+    pairs = [(n, "vllm-" + n.split("-", 1)[1]) for n in args.names if n.startswith("minserve-")]
+    res["phase_notes"] = phase_notes(probes, pairs)
+    res["markdown"] = markdown(res) + "".join(f"\n\nNote: {n}." for n in res["phase_notes"])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_vs_vllm import (ENGINES, GATE_FAILS, METRICS, busy_cores, probe_line, ratios,  # noqa: E402
-                           wait_until_quiet)
+from bench_vs_vllm import ENGINES, GATE_FAILS, MATCHED, METRICS, markdown, ratios  # noqa: E402
+from host_phase import busy_cores, phase_notes, probe_line, wait_until_quiet  # noqa: E402
 
 
 def _row(x: float) -> dict:
@@ -78,3 +78,31 @@ def test_a_busy_core_is_seen_and_waited_out_up_to_the_limit():
     finally:
         spin.kill()
         spin.wait()
+
+
+def _probe(fma: float, tiles: float | None) -> dict:
+    return {"fma_1t": fma / 2, "fma": fma, "tiles": tiles}
+
+
+def test_a_pair_whose_rounds_ran_in_different_phases_gets_a_note_naming_the_favoured_side():
+    # Run G's bf16 pair: minserve's rounds with the tiles fast, vLLM's slow; fp32 in one phase.
+    probes = {"minserve-bf16": [_probe(346, 4956), _probe(356, 4758)],
+              "vllm-bf16": [_probe(307, 2098), _probe(266, 1728)],
+              "minserve-fp32": [_probe(363, 4811), _probe(322, 1872)],
+              "vllm-fp32": [_probe(362, 4803), _probe(359, 4692)]}
+    notes = phase_notes(probes, MATCHED)
+    assert len(notes) == 1 and notes[0].startswith("minserve-bf16 against vllm-bf16: the AMX tile loop")
+    assert "4,857" in notes[0] and "1,913" in notes[0] and notes[0].endswith("lean toward minserve-bf16")
+    # The same gap the other way names vLLM; no tile reading falls back to FMA; a lone side is skipped.
+    swapped = {"minserve-bf16": probes["vllm-bf16"], "vllm-bf16": probes["minserve-bf16"]}
+    assert phase_notes(swapped, MATCHED)[0].endswith("lean toward vllm-bf16")
+    no_tiles = {"minserve-bf16": [_probe(350, None)], "vllm-bf16": [_probe(200, None)]}
+    assert "fp32 FMA on every thread probed a median 350" in phase_notes(no_tiles, MATCHED)[0]
+    assert phase_notes({"minserve-fp32": probes["minserve-fp32"]}, MATCHED) == []
+
+
+def test_the_phase_notes_print_under_the_ratios():
+    res = {"args": {"max_num_seqs": 16, "prefill_len": 1024},
+           "engines": {"minserve-bf16": _row(2.0), "vllm-bf16": _row(1.0)},
+           "ratios": {"minserve-bf16 / vllm-bf16": _row(2.0)}, "phase_notes": ["a note"]}
+    assert markdown(res).endswith("| minserve-bf16 / vllm-bf16 | 2.00 | 2.00 | 2.00 | 2.00 |\n\nNote: a note.")
