@@ -22,7 +22,7 @@ Engines: minserve fp32 / bf16 (``dtype="bfloat16"``) / int8 / int4 in this proce
 bf16 each in a long-lived worker subprocess of vLLM's venv (``make vllm-venv``) that holds one
 ``vllm.LLM``. Runs alternate (engine after engine, the order rotated each round) and every figure
 is the median over rounds: a noisy neighbour on a shared 2-core box then hurts all engines alike.
-Each engine's round starts once the machine is quiet (``host_phase.wait_until_quiet``: vLLM's worker
+Each engine's round starts once the machine is quiet (``host_phase.start_round``: vLLM's worker
 keeps a core busy for about a second after its last request) and with a host probe
 (bench_roofline.host_probe: fp32 FMA on one thread and on all, AMX tiles), printed beside the round
 and kept as ``host_probe_runs``: on this project's VM the arithmetic moves by 2-3x within minutes,
@@ -312,8 +312,7 @@ def main() -> None:
 
     sys.path.insert(0, str(HERE))
     from bench_offline import machine_info
-    from bench_roofline import host_probe
-    from host_phase import phase_notes, probe_line, wait_until_quiet
+    from host_phase import phase_notes, probe_line, start_round
     from minserve.models.loader import load_tokenizer, resolve_model_dir
 
     names = [n.strip() for n in args.engines.split(",") if n.strip()]
@@ -338,8 +337,7 @@ def main() -> None:
             order = names[r % len(names):] + names[:r % len(names)]  # rotate: no engine always first
             for name in order:
                 e = engines[name]
-                wait_until_quiet()   # the previous engine's threads at rest
-                probes[name].append(host_probe())   # the host's phase as this round starts
+                probes[name].append(start_round())   # a quiet machine, and its phase now
                 m = mixed(e, work)
                 tokens[name] = m["tokens"]
                 if m["step_kinds"]:   # the last round's profile of the mixed workload

@@ -159,8 +159,7 @@ def main() -> None:
     args = parse_args()
     sys.path.insert(0, str(HERE))
     from bench_offline import machine_info
-    from bench_roofline import host_probe
-    from host_phase import phase_notes, probe_line, wait_until_quiet
+    from host_phase import phase_notes, probe_line, start_round
 
     log_dir = Path(tempfile.mkdtemp(prefix="minserve-vs-vllm-serve-"))
     runs: dict[str, list[dict]] = {n: [] for n in args.names}
@@ -174,8 +173,7 @@ def main() -> None:
         for r in range(args.rounds):
             order = args.names[r % len(args.names):] + args.names[:r % len(args.names)]
             for name in order:
-                wait_until_quiet()   # vLLM keeps a core busy for ~1 s after its last request
-                probe = host_probe()
+                probe = start_round()   # vLLM keeps a core busy for ~1 s after its last request
                 probes[name].append(probe)
                 figs = bench(bases[name], args, log_dir / f"{name}-{r}")
                 runs[name].append(figs)

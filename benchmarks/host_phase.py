@@ -47,6 +47,14 @@ def wait_until_quiet(max_wait_s: float = 10.0, window_s: float = 0.5, below: flo
     return time.monotonic() - t0
 
 
+def start_round() -> dict:
+    """What both comparisons do before each engine's round: wait for a quiet machine (the previous
+    engine's threads at rest), then probe the host (bench_roofline.host_probe) and return it."""
+    from bench_roofline import host_probe
+    wait_until_quiet()
+    return host_probe()
+
+
 def probe_line(p: dict) -> str:
     """A host probe (bench_roofline.host_probe) in a few words."""
     tiles = f", AMX tiles {p['tiles']:,.0f}" if p["tiles"] else ""
