@@ -27,7 +27,9 @@ keeps a core busy for about a second after its last request) and with a host pro
 (bench_roofline.host_probe: fp32 FMA on one thread and on all, AMX tiles), printed beside the round
 and kept as ``host_probe_runs``: on this project's VM the arithmetic moves by 2-3x within minutes,
 and the probe says which rounds ran slow. A matched pair whose rounds ran in different phases gets
-a note under the ratios (``host_phase.phase_notes``).
+a note under the ratios (``host_phase.phase_notes``). Under it, each row's fraction of this CPU's
+ceilings (``roofline_share.py``): prefill and the batched step against the arithmetic its rounds'
+probes measured, batch 1 against the read bandwidth.
 
 Threads: vLLM's CPU build by default pins its OpenMP threads to all cores but one ("reserved" for
 the server's other work); here it is given every core (``VLLM_CPU_OMP_THREADS_BIND=0-N``), as
@@ -280,6 +282,9 @@ def markdown(res: dict) -> str:
         rows += [f"| {pair} | " + " | ".join(f"{x:.2f}" for x in r.values()) + " |"
                  for pair, r in res["ratios"].items()]
     rows += [f"\nNote: {n}." for n in res.get("phase_notes", [])]
+    if res.get("ceiling_shares"):
+        from roofline_share import markdown as shares_table
+        rows += ["", shares_table(res["ceiling_shares"], seqs)]
     return "\n".join(rows)
 
 
@@ -312,6 +317,7 @@ def main() -> None:
 
     sys.path.insert(0, str(HERE))
     from bench_offline import machine_info
+    import roofline_share
     from host_phase import phase_notes, probe_line, start_round
     from minserve.models.loader import load_tokenizer, resolve_model_dir
 
@@ -364,6 +370,7 @@ def main() -> None:
                            "host_probe_runs": probes[n]} for n in names}}
     res["ratios"] = ratios(res["engines"])
     res["phase_notes"] = phase_notes(probes, MATCHED)
+    res["ceiling_shares"] = roofline_share.for_run(res["engines"], model_dir, args)
     res["mixed_step_kinds"] = {n: k["summary"] for n, k in step_kinds.items()}
     if "minserve-fp32" in tokens and "vllm-fp32" in tokens:
         a, b = tokens["minserve-fp32"], tokens["vllm-fp32"]

@@ -106,3 +106,78 @@ def test_the_phase_notes_print_under_the_ratios():
            "engines": {"minserve-bf16": _row(2.0), "vllm-bf16": _row(1.0)},
            "ratios": {"minserve-bf16 / vllm-bf16": _row(2.0)}, "phase_notes": ["a note"]}
     assert markdown(res).endswith("| minserve-bf16 / vllm-bf16 | 2.00 | 2.00 | 2.00 | 2.00 |\n\nNote: a note.")
+
+
+def _shares(engines, bf16_dot=None, seqs=16, prefill_len=128, decode_tokens=32):
+    from argparse import Namespace
+
+    from minserve.models.registry import ModelConfig
+    from minserve.models.tiny import TINY_CONFIG
+    from roofline_share import shares
+    args = Namespace(max_num_seqs=seqs, prefill_len=prefill_len, decode_tokens=decode_tokens)
+    return shares(engines, ModelConfig.from_hf(TINY_CONFIG), args, bandwidth_gbs=20.0, bf16_dot=bf16_dot)
+
+
+def test_each_rows_share_is_its_roofline_time_over_its_measured_time():
+    """A row measured at exactly twice each step's roofline time reads 50 %, whichever ceiling
+    bounds the step; the roofline is the planner's, with the row's own probed arithmetic."""
+    from minserve.engine.kv_sizing import kv_cache_bytes_per_token
+    from minserve.models.registry import ModelConfig
+    from minserve.models.tiny import TINY_CONFIG
+    from minserve.plan import budget
+    cfg = ModelConfig.from_hf(TINY_CONFIG)
+    probes = [{"fma": 100.0, "tiles": 3000.0}, {"fma": 300.0, "tiles": 1000.0}, {"fma": 200.0, "tiles": None}]
+    rows = {}
+    for name, dtype, precision, rate in (("minserve-fp32", "float32", "fp32", 200e9),
+                                         ("vllm-bf16", "bfloat16", "bf16", 2000e9)):
+        w = budget.weight_bytes(cfg, precision, dtype).per_step
+        kv = kv_cache_bytes_per_token(cfg, "auto", dtype)
+        pre = budget.prefill(cfg, w, kv, 128, 20e9, rate).seconds
+        d16 = budget.decode_step(cfg, w, kv, 16, 32 + 16, 20e9, rate).seconds
+        d1 = budget.decode_step(cfg, w, kv, 1, 32 + 16, 20e9, rate).seconds
+        rows[name] = {"prefill_tok_s": 128 / (2 * pre), "decode16_tok_s": 16 / (2 * d16),
+                      "decode_tok_s": 1 / (2 * d1), "host_probe_runs": probes}
+    out = _shares(rows)
+    for name in rows:
+        for step in ("prefill", "decode_batch", "decode_1"):
+            assert out[name][f"{step}_pct"] == pytest.approx(50.0), (name, step)
+    # fp32 is held to the median FMA reading (200), bf16 to the median tile reading (2000)
+    assert out["minserve-fp32"]["ceiling_gflops"] == 200.0
+    assert out["vllm-bf16"]["ceiling_gflops"] == 2000.0
+
+
+def test_the_ceiling_a_row_is_held_to_follows_its_format():
+    row = {"prefill_tok_s": 100.0, "decode16_tok_s": 100.0, "decode_tok_s": 10.0,
+           "host_probe_runs": [{"fma": 150.0, "tiles": None}]}
+    out = _shares({"minserve-bf16": row, "minserve-int4": row, "minserve-int4-a8": row}, bf16_dot=300.0)
+    assert out["minserve-bf16"]["ceiling_gflops"] == 300.0    # no tiles here: the bf16 dot rate
+    assert out["minserve-int4"]["ceiling_gflops"] == 300.0    # its prefill tiles multiply in bf16
+    a8 = out["minserve-int4-a8"]                               # integer dots are not probed: bytes only
+    assert a8["ceiling_gflops"] is None and set(k for k in a8 if k.endswith("_pct")) == {"decode_1_pct"}
+    assert _shares({"minserve-bf16": row})["minserve-bf16"]["ceiling_gflops"] == 150.0   # nothing else
+
+
+def test_the_shares_table_prints_under_the_ratios_with_its_bounds():
+    from roofline_share import markdown as shares_table
+    row = {"prefill_tok_s": 100.0, "decode16_tok_s": 100.0, "decode_tok_s": 10.0,
+           "host_probe_runs": [{"fma": 150.0, "tiles": 2000.0}]}
+    shares = _shares({"minserve-fp32": row, "minserve-int8-a8": row})
+    res = {"args": {"max_num_seqs": 16, "prefill_len": 128},
+           "engines": {"minserve-fp32": _row(2.0)}, "ceiling_shares": shares}
+    text = markdown(res)
+    assert text.endswith(shares_table(shares, 16))
+    lines = shares_table(shares, 16).splitlines()
+    fp32 = next(ln for ln in lines if ln.startswith("| minserve fp32 |"))
+    assert fp32.count("(memory)") + fp32.count("(compute)") == 3 and fp32.endswith("| 150 |")
+    assert next(ln for ln in lines if ln.startswith("| minserve int8 a8 |")).startswith("| minserve int8 a8 | - | - |")
+    assert "20.0 GB/s" in lines[-1]
+
+
+def test_a_share_over_the_roofline_is_explained_not_hidden():
+    from roofline_share import markdown as shares_table
+    slow = {"prefill_tok_s": 100.0, "decode16_tok_s": 100.0, "decode_tok_s": 10.0,
+            "host_probe_runs": [{"fma": 150.0, "tiles": None}]}
+    fast = {**slow, "decode_tok_s": 1e9}   # far beyond what the bytes allow
+    assert "Over 100 %" not in shares_table(_shares({"minserve-fp32": slow}), 16)
+    text = shares_table(_shares({"minserve-fp32": fast}), 16)
+    assert "Over 100 %" in text and "| minserve fp32 |" in text

@@ -1,0 +1,108 @@
+"""How close each row of a side-by-side run came to this CPU's ceilings: the fraction of the
+ceiling the issue on the vLLM comparison asks for beside every row of ``bench_vs_vllm.py``.
+
+Each step is held to its roofline (minserve/plan/budget.py, the planner's formulas): the longer of
+its bytes over the read bandwidth and its arithmetic over the rate of the arithmetic its format
+multiplies in; the table gives roofline time over measured time and which of the two bounds the
+step. The arithmetic ceiling is the one the row's own rounds measured, since the host's phase
+moves it 2-3x within minutes (host_phase.py): the fp32 FMA rate on every thread for float32, the
+AMX tile rate for the rest where the CPU has tiles (bf16 weights multiply on them, and quantized
+weights are expanded to bf16 tiles at prefill sizes, kernels/quant.py), else the bf16 dot-product
+rate measured once. The int8-activation rows (``-a8``) multiply in integer dot products, which
+the probe does not time: only their batch-1 decode, which their bytes bound, gets a share. Both
+engines get the same formulas: a row's share says how much of the machine that engine used for
+the work both had to do.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+# Each row's weights and activations as the planner names them (minserve.plan.budget).
+ROW_FORMATS = {"fp32": ("fp32", "float32"), "bf16": ("bf16", "bfloat16"), "int8": ("int8", "float32"),
+               "int4": ("int4", "float32"), "int8-a8": ("int8", "float32"), "int4-a8": ("int4", "float32")}
+
+
+def row_format(name: str) -> tuple[str, str]:
+    """("fp32", "float32") for "minserve-fp32" or "vllm-fp32", and so on."""
+    return ROW_FORMATS[name.split("-", 1)[1]]
+
+
+def arithmetic_ceiling(name: str, probes: list[dict], bf16_dot: float | None) -> float | None:
+    """GFLOP/s the row's arithmetic could reach during its rounds (None: not measured here)."""
+    def median(key):
+        vals = [p[key] for p in probes if p.get(key)]
+        return statistics.median(vals) if vals else None
+    if name.endswith("-a8"):
+        return None
+    if row_format(name)[0] == "fp32":
+        return median("fma")
+    return median("tiles") or bf16_dot or median("fma")
+
+
+def shares(engines: dict, cfg, args, bandwidth_gbs: float, bf16_dot: float | None = None) -> dict:
+    """Per row and step (prefill, batch-``max_num_seqs`` decode, batch-1 decode): the planner's
+    roofline time over the measured time, in percent, and which ceiling bounds the step. A row
+    without an arithmetic ceiling (``-a8``) is held to its bytes alone. ``engines``: bench_vs_vllm's
+    medians and ``host_probe_runs``; ``args``: its arguments; ``cfg``: the model's ModelConfig."""
+    from minserve.engine.kv_sizing import kv_cache_bytes_per_token
+    from minserve.plan import budget
+    bw = bandwidth_gbs * 1e9
+    ctx = 32 + args.decode_tokens // 2   # both decode measurements start from 32-token prompts
+    seqs = args.max_num_seqs
+    out = {}
+    for name, r in engines.items():
+        precision, dtype = row_format(name)
+        w = budget.weight_bytes(cfg, precision, dtype).per_step
+        kv = kv_cache_bytes_per_token(cfg, "auto", dtype)
+        gflops = arithmetic_ceiling(name, r.get("host_probe_runs", []), bf16_dot)
+        rate = gflops * 1e9 if gflops else float("inf")
+        steps = {"prefill": (budget.prefill(cfg, w, kv, args.prefill_len, bw, rate),
+                             args.prefill_len / r["prefill_tok_s"]),
+                 "decode_batch": (budget.decode_step(cfg, w, kv, seqs, ctx, bw, rate), seqs / r["decode16_tok_s"]),
+                 "decode_1": (budget.decode_step(cfg, w, kv, 1, ctx, bw, rate), 1 / r["decode_tok_s"])}
+        if gflops is None:   # no arithmetic ceiling: only the byte-bound step is judged
+            steps = {k: v for k, v in steps.items() if k == "decode_1"}
+        out[name] = {"ceiling_gflops": gflops, "bandwidth_gbs": bandwidth_gbs,
+                     **{f"{k}_pct": 100 * roof.seconds / t for k, (roof, t) in steps.items()},
+                     **{f"{k}_bound": roof.bound for k, (roof, _) in steps.items()}}
+    return out
+
+
+def markdown(rows: dict, seqs: int) -> str:
+    lines = [f"| % of the roofline (bound) | prefill | batch-{seqs} decode | batch-1 decode | "
+             "arithmetic ceiling (GFLOP/s, the row's rounds) |",
+             "| --- | --- | --- | --- | --- |"]
+    for name, s in rows.items():
+        cells = [f"{s[k + '_pct']:.0f} % ({s[k + '_bound']})" if k + "_pct" in s else "-"
+                 for k in ("prefill", "decode_batch", "decode_1")]
+        ceiling = "- (bytes only)" if s["ceiling_gflops"] is None else f"{s['ceiling_gflops']:,.0f}"
+        lines.append(f"| {name.replace('-', ' ')} | " + " | ".join(cells) + f" | {ceiling} |")
+    bw = next(iter(rows.values()))["bandwidth_gbs"] if rows else 0
+    lines.append(f"\nThe roofline of a step is the longer of its bytes over the read bandwidth ({bw:.1f} GB/s, "
+                 "measured once after the rounds) and its arithmetic over the ceiling in the last column "
+                 "(minserve/plan/budget.py's formulas, the same for both engines).")
+    if any(v > 100 for s in rows.values() for k, v in s.items() if k.endswith("_pct")):
+        lines.append("Over 100 %: the step ran faster than the probes of its rounds measured the machine "
+                     "(they caught a slower phase of the host than the step did).")
+    return "\n".join(lines)
+
+
+def measure_once() -> tuple[float, float | None]:
+    """This CPU's read bandwidth (GB/s) and bf16 dot-product rate (GFLOP/s; None where it has none),
+    from bench_roofline's C loops: the ceilings the round probes do not time."""
+    from bench_roofline import _ceiling_lib, instruction_rate, read_bandwidth
+    lib = _ceiling_lib()
+    dot = instruction_rate(lib, "bf16_dot", seconds=0.1, repeats=3)
+    return read_bandwidth(lib) / 1e9, None if dot is None else dot / 1e9
+
+
+def for_run(engines: dict, model_dir, args) -> dict:
+    """shares() for a bench_vs_vllm run over the model in ``model_dir``, its two ceilings measured now."""
+    import json
+    from pathlib import Path
+
+    from minserve.models.registry import ModelConfig
+    cfg = ModelConfig.from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
+    bandwidth, dot = measure_once()
+    return shares(engines, cfg, args, bandwidth, dot)
