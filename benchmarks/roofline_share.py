@@ -43,7 +43,7 @@ def arithmetic_ceiling(name: str, probes: list[dict], bf16_dot: float | None) ->
 def shares(engines: dict, cfg, args, bandwidth_gbs: float, bf16_dot: float | None = None) -> dict:
     """Per row and step (prefill, batch-``max_num_seqs`` decode, batch-1 decode): the planner's
     roofline time over the measured time, in percent, and which ceiling bounds the step. A row
-    without an arithmetic ceiling (``-a8``) is held to its bytes alone. ``engines``: bench_vs_vllm's
+    without an arithmetic ceiling (``-a8``) gets its batch-1 share only. ``engines``: bench_vs_vllm's
     medians and ``host_probe_runs``; ``args``: its arguments; ``cfg``: the model's ModelConfig."""
     from minserve.engine.kv_sizing import kv_cache_bytes_per_token
     from minserve.plan import budget
