@@ -83,8 +83,8 @@ def markdown(rows: dict, seqs: int) -> str:
                  "measured once after the rounds) and its arithmetic over the ceiling in the last column "
                  "(minserve/plan/budget.py's formulas, the same for both engines).")
     if any(v > 100 for s in rows.values() for k, v in s.items() if k.endswith("_pct")):
-        lines.append("Over 100 %: the step ran faster than the probes of its rounds measured the machine "
-                     "(they caught a slower phase of the host than the step did).")
+        lines.append("Over 100 %: the step ran faster than the ceilings measured around it allow (the host "
+                     "was in a faster phase during the step than during the measurement).")
     return "\n".join(lines)
 
 
