@@ -37,7 +37,8 @@ def arithmetic_ceiling(name: str, probes: list[dict], bf16_dot: float | None) ->
         return None
     if row_format(name)[0] == "fp32":
         return median("fma")
-    return median("tiles") or bf16_dot or median("fma")
+    from bench_roofline import bf16_ceiling   # the roofline script's own rule for the bf16 ceiling
+    return bf16_ceiling({"bf16_dot": bf16_dot, "bf16_tiles": median("tiles"), "fp32_fma": median("fma")})
 
 
 def shares(engines: dict, cfg, args, bandwidth_gbs: float, bf16_dot: float | None = None) -> dict:
@@ -99,10 +100,7 @@ def measure_once() -> tuple[float, float | None]:
 
 def for_run(engines: dict, model_dir, args) -> dict:
     """shares() for a bench_vs_vllm run over the model in ``model_dir``, its two ceilings measured now."""
-    import json
-    from pathlib import Path
-
-    from minserve.models.registry import ModelConfig
-    cfg = ModelConfig.from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
+    from minserve.plan.planner import model_config
+    _, cfg = model_config(model_dir)
     bandwidth, dot = measure_once()
     return shares(engines, cfg, args, bandwidth, dot)
