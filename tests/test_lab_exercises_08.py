@@ -222,6 +222,24 @@ def test_removal_drill_fails_over_to_the_replica_left():
         removed.stop()
 
 
+
+def test_a_replica_removed_before_its_first_call_still_fails_over():
+    """Removed at once, as a busy machine can make it happen before B's client has asked anything:
+    B's calls fail one by one and go to A, the drill does not fail (it named the model itself)."""
+    from minserve import LLM
+    from minserve.lab.local_server import serve
+    from minserve.lab.workload import make_requests
+    a, b = (LLM("tiny-llama", max_num_seqs=4, num_kv_blocks=64) for _ in range(2))
+    reqs = make_requests(a.get_tokenizer(), 16, 8, num_requests=8, seed=5)
+    kept, removed = serve(a), serve(b)
+    try:
+        removed.stop()
+        rep = drills.removal_drill(kept, removed, drills.class_calls(reqs, rate=24, seed=1), remove_at_s=0.0)
+        assert rep.outcomes["B (removed)"].get("ok", 0) == 0 and rep.failed_over == 4
+        assert rep.failover_ok == 4 and rep.outcomes.loc["ok", "A (kept)"] == 4
+    finally:
+        kept.stop()
+
 # ---- step 6: the quality gate runs only when the change touched numerics ----------------------
 
 @pytest.mark.parametrize("passes", [True, False])

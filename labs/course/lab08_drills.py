@@ -94,7 +94,10 @@ def restart_drill(srv, calls, *, restart_at_s: float, down_s: float, slo=None) -
 
     th = threading.Thread(target=restart, name="lab08-restart", daemon=True)
     th.start()
-    res = tr.offer(srv.base_url, calls, name="steady traffic, server restarted", slo=slo, live=False)
+    # The model named up front: asked of the server, the question could meet it already down on a
+    # busy machine (the restart's clock starts first), and the whole run would fail, not its calls.
+    res = tr.offer(srv.base_url, calls, name="steady traffic, server restarted", slo=slo, live=False,
+                   model=srv.model_name)
     th.join()
     df = res.requests
     seen = df.assign(status=df.status.fillna(0).astype(int)).groupby(["status", "outcome"]).size()
@@ -127,9 +130,13 @@ def removal_drill(kept, removed, calls, *, remove_at_s: float) -> RemovalReport:
     to replica k % 2); ``removed`` is stopped ``remove_at_s`` seconds in, so the calls routed to
     it from then on fail, and the balancer then sends them to ``kept`` (failover)."""
     box: dict = {}
+    # Both replicas serve one model, named up front rather than asked of B: on a busy machine that
+    # question could reach B after it was stopped, and B's whole run would fail instead of its calls
+    # (`make test` beside another job, 2026-12-06: KeyError 'removed', the thread's ConnectError).
+    model = removed.model_name
 
     def other():
-        box["removed"] = tr.offer(removed.base_url, calls[1::2], name="replica B", live=False)
+        box["removed"] = tr.offer(removed.base_url, calls[1::2], name="replica B", live=False, model=model)
 
     def remove():
         time.sleep(remove_at_s)
@@ -138,7 +145,7 @@ def removal_drill(kept, removed, calls, *, remove_at_s: float) -> RemovalReport:
     threads = [threading.Thread(target=f, daemon=True) for f in (other, remove)]
     for t in threads:
         t.start()
-    first = tr.offer(kept.base_url, calls[0::2], name="replica A", live=False)
+    first = tr.offer(kept.base_url, calls[0::2], name="replica A", live=False, model=model)
     for t in threads:
         t.join()
     b = box["removed"].requests
