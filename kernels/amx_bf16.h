@@ -124,14 +124,18 @@ static void amx_pack_inputs(const float *x, int64_t B, int64_t in, uint16_t *hi,
  * context 17.2 against 17.9 ms, at 12 rows 15.5 against 16.2 (means of eight and five alternating
  * runs, 2026-12-06); the pass's own tile loads bring the lines the last step up. */
 static inline __attribute__((always_inline)) void
-amx_tile_rows(const uint16_t *W, int64_t in, int64_t r, const uint16_t *hi, const uint16_t *lo,
-              int n, float *y, int64_t ldy, int accumulate, const int tiles, int64_t next_rows) {
+amx_tile_rows(const uint16_t *W, const uint16_t *Wl, int64_t in, int64_t r, const uint16_t *hi,
+              const uint16_t *lo, int n, float *y, int64_t ldy, int accumulate, const int tiles,
+              int64_t next_rows) {
     float c[AMX_ROWS][AMX_MAX_N];
     _tile_zero(0);
     if (tiles == 2) _tile_zero(4);
-    const uint16_t *next = W + (r + tiles * AMX_ROWS) * in;
+    const uint16_t *next = W + (r + tiles * AMX_ROWS) * in, *next_l = Wl ? Wl + (next - W) : NULL;
     for (int64_t t = 0; t < in / AMX_K; t++) {
-        for (int64_t i = 0; i < next_rows; i++) __builtin_prefetch(next + i * in + t * AMX_K, 0, 2);
+        for (int64_t i = 0; i < next_rows; i++) {
+            __builtin_prefetch(next + i * in + t * AMX_K, 0, 2);
+            if (Wl) __builtin_prefetch(next_l + i * in + t * AMX_K, 0, 2);
+        }
         _tile_loadd(2, hi + t * AMX_K * n, n * 4);
         _tile_loadd(3, lo + t * AMX_K * n, n * 4);
         _tile_loadd(1, W + r * in + t * AMX_K, in * 2);
@@ -140,6 +144,12 @@ amx_tile_rows(const uint16_t *W, int64_t in, int64_t r, const uint16_t *hi, cons
         if (tiles == 2) _tile_dpbf16ps(4, 5, 2);
         _tile_dpbf16ps(0, 1, 3);
         if (tiles == 2) _tile_dpbf16ps(4, 5, 3);
+        if (Wl) {   /* a float32 weight's bf16 rest times the input's hi half (amx_matmul) */
+            _tile_loadd(1, Wl + r * in + t * AMX_K, in * 2);
+            if (tiles == 2) _tile_loadd(5, Wl + (r + AMX_ROWS) * in + t * AMX_K, in * 2);
+            _tile_dpbf16ps(0, 1, 2);
+            if (tiles == 2) _tile_dpbf16ps(4, 5, 2);
+        }
     }
     for (int k = 0; k < tiles; k++) {
         if (k) _tile_stored(4, c, sizeof c[0]); else _tile_stored(0, c, sizeof c[0]);
@@ -154,9 +164,12 @@ amx_tile_rows(const uint16_t *W, int64_t in, int64_t r, const uint16_t *hi, cons
 /* y[B, out] (+)= x[B, in] @ W.T (+ bias) for a bf16 W, in % 32 == 0, on the tiles: dense_matmul's
  * contract. xs: scratch of B * in floats (the packed halves). Threads split the 16-row tiles as
  * dense_matmul does, two at a time; rows past the last whole tile (none in SmolLM2's shapes) go a
- * plain loop. */
-static int64_t amx_matmul(const uint16_t *W, const float *bias, const float *x, float *xs, float *y,
-                          int64_t B, int64_t in, int64_t out, int accumulate, int nthreads) {
+ * plain loop. Wl non-NULL: W is a float32 weight's bf16 hi half and Wl its rest (an engine at
+ * fp32_matmul_precision "high"), and the product is W xh + W xl + Wl xh, the weight streamed as two
+ * bf16 halves: the same bytes as float32, at a third more tile work. */
+static int64_t amx_matmul(const uint16_t *W, const uint16_t *Wl, const float *bias, const float *x,
+                          float *xs, float *y, int64_t B, int64_t in, int64_t out, int accumulate,
+                          int nthreads) {
     uint16_t *hi = (uint16_t *)xs, *lo = hi + B * in;
     amx_pack_inputs(x, B, in, hi, lo);
     int64_t tiles = out / AMX_ROWS, pairs = (tiles + 1) / 2, team = 1;
@@ -174,15 +187,16 @@ static int64_t amx_matmul(const uint16_t *W, const float *bias, const float *x, 
                 const uint16_t *gh = hi + g0 * in, *gl = lo + g0 * in;
                 int64_t ahead = g0 ? 0 : out - r - 2 * AMX_ROWS;   /* the next pair's rows, first pass */
                 ahead = ahead < 0 ? 0 : ahead > 2 * AMX_ROWS ? 2 * AMX_ROWS : ahead;
-                if (2 * p + 1 < tiles) amx_tile_rows(W, in, r, gh, gl, n, y + g0 * out, out, accumulate, 2, ahead);
-                else amx_tile_rows(W, in, r, gh, gl, n, y + g0 * out, out, accumulate, 1, 0);
+                if (2 * p + 1 < tiles) amx_tile_rows(W, Wl, in, r, gh, gl, n, y + g0 * out, out, accumulate, 2, ahead);
+                else amx_tile_rows(W, Wl, in, r, gh, gl, n, y + g0 * out, out, accumulate, 1, 0);
             }
         if (configured) _tile_release();
     }
     for (int64_t r = tiles * AMX_ROWS; r < out; r++)
         for (int64_t b = 0; b < B; b++) {
             float s = 0.f;
-            for (int64_t i = 0; i < in; i++) s += bf16_to_float(W[r * in + i]) * x[b * in + i];
+            for (int64_t i = 0; i < in; i++)
+                s += (bf16_to_float(W[r * in + i]) + (Wl ? bf16_to_float(Wl[r * in + i]) : 0.f)) * x[b * in + i];
             if (accumulate) y[b * out + r] += s; else y[b * out + r] = s;
         }
     if (bias)

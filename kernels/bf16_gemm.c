@@ -107,6 +107,79 @@ static void product_block(const uint16_t *W, int64_t in, int64_t out, const uint
     store_block(c[1], y, out, T, tok0 + 16, f0, bias);
 }
 
+/* Tokens g0 .. g0 + 15 of float32 x [T, in] -> the pair-layout B tiles of their two bf16 halves,
+ * x = hi + lo (hi = x rounded to bf16, lo = the rest rounded again: 16 of float32's 24 mantissa
+ * bits), at ph and pl as pack_tokens lays them out. */
+static void pack_tokens_split(const float *x, int64_t T, int64_t in, int64_t g0, uint32_t *ph, uint32_t *pl) {
+    for (int64_t t = 0; t < in / 32; t++) {
+        __m512i h[16], l[16];
+        for (int n = 0; n < 16; n++) {
+            __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+            if (g0 + n < T) a = _mm512_loadu_ps(x + (g0 + n) * in + 32 * t), b = _mm512_loadu_ps(x + (g0 + n) * in + 32 * t + 16);
+            __m256bh ah = _mm512_cvtneps_pbh(a), bh = _mm512_cvtneps_pbh(b);
+            /* back to float32 (a bf16 is the top half of a float32) for the remainder */
+            __m512 aw = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)ah), 16));
+            __m512 bw = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)bh), 16));
+            __m256bh al = _mm512_cvtneps_pbh(a - aw), bl = _mm512_cvtneps_pbh(b - bw);
+            h[n] = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)ah), (__m256i)bh, 1);
+            l[n] = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)al), (__m256i)bl, 1);
+        }
+        transpose16(h);
+        transpose16(l);
+        for (int kk = 0; kk < 16; kk++) {
+            _mm512_storeu_si512(ph + t * 256 + kk * 16, h[kk]);
+            _mm512_storeu_si512(pl + t * 256 + kk * 16, l[kk]);
+        }
+    }
+}
+
+/* As store_block, to float32 rows (no rounding). */
+static void store_block_f32(float c[2][16][16], float *y, int64_t out, int64_t T, int64_t tok0, int64_t f0,
+                            const float *bias) {
+    __m512i lo[16], hi[16];
+    for (int i = 0; i < 16; i++) lo[i] = _mm512_load_si512(c[0][i]), hi[i] = _mm512_load_si512(c[1][i]);
+    transpose16(lo);
+    transpose16(hi);
+    __m512 b0 = bias ? _mm512_loadu_ps(bias + f0) : _mm512_setzero_ps();
+    __m512 b1 = bias ? _mm512_loadu_ps(bias + f0 + 16) : _mm512_setzero_ps();
+    for (int n = 0; n < 16 && tok0 + n < T; n++) {
+        _mm512_storeu_ps(y + (tok0 + n) * out + f0, _mm512_castsi512_ps(lo[n]) + b0);
+        _mm512_storeu_ps(y + (tok0 + n) * out + f0 + 16, _mm512_castsi512_ps(hi[n]) + b1);
+    }
+}
+
+/* One float32 block from three bf16 products: W x = Wh xh + Wl xh + Wh xl (+ Wl xl, below the
+ * rest's rounding, dropped). Ordered so that 8 tile loads serve the 12 products: Wl with xh,
+ * then Wh over the same xh, then xl under the same Wh. */
+static void product_block_x3(const uint16_t *Wh, const uint16_t *Wl, int64_t in, int64_t out,
+                             const uint32_t *bh0, const uint32_t *bl0, int64_t T, int64_t tok0, int64_t f0,
+                             const float *bias, float *y) {
+    float c[2][2][16][16] __attribute__((aligned(64)));
+    const uint16_t *h0 = Wh + f0 * in, *h1 = h0 + 16 * in, *l0 = Wl + f0 * in, *l1 = l0 + 16 * in;
+    const uint32_t *bh1 = bh0 + 16 * in / 2, *bl1 = bl0 + 16 * in / 2;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t t = 0; t < in / 32; t++) {
+        _tile_loadd(4, l0 + 32 * t, in * 2);
+        _tile_loadd(5, l1 + 32 * t, in * 2);
+        _tile_loadd(6, bh0 + 256 * t, 64);
+        _tile_loadd(7, bh1 + 256 * t, 64);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 5, 6);
+        _tile_dpbf16ps(2, 4, 7); _tile_dpbf16ps(3, 5, 7);
+        _tile_loadd(4, h0 + 32 * t, in * 2);
+        _tile_loadd(5, h1 + 32 * t, in * 2);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 5, 6);
+        _tile_dpbf16ps(2, 4, 7); _tile_dpbf16ps(3, 5, 7);
+        _tile_loadd(6, bl0 + 256 * t, 64);
+        _tile_loadd(7, bl1 + 256 * t, 64);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 5, 6);
+        _tile_dpbf16ps(2, 4, 7); _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c[0][0], 64); _tile_stored(1, c[0][1], 64);
+    _tile_stored(2, c[1][0], 64); _tile_stored(3, c[1][1], 64);
+    store_block_f32(c[0], y, out, T, tok0, f0, bias);
+    store_block_f32(c[1], y, out, T, tok0 + 16, f0, bias);
+}
+
 /* How many panels the fblocks feature blocks are cut into for a chunk of tblocks token blocks.
  * A work item is one token block times one panel's feature blocks, in feature order, so the
  * item's outputs are written along each token's row; and its panel of weights, at most
@@ -155,11 +228,50 @@ int64_t ms_bf16_gemm(const uint16_t *W, const uint16_t *x, const float *bias, ui
     free(packed);
     return 0;
 }
+/* float32 y = x @ W^T (+ bias) from W's two bf16 halves Wh, Wl (W = Wh + Wl, as x is split in
+ * pack_tokens_split): three bf16 products summed in float32, about 16 mantissa bits of each
+ * operand where float32 has 24. Returns as ms_bf16_gemm. */
+int64_t ms_bf16x3_gemm(const uint16_t *Wh, const uint16_t *Wl, const float *x, const float *bias, float *y,
+                       int64_t T, int64_t in, int64_t out, int64_t nthreads) {
+    if (T < 1 || in < 32 || in % 32 || out < 32 || out % 32 || !amx_enable(1)) return -1;
+    int64_t padded = (T + 31) / 32 * 32, fblocks = out / 32, half = padded * in / 2;
+    uint32_t *packed = NULL;
+    if (posix_memalign((void **)&packed, 64, (size_t)(2 * half) * sizeof(uint32_t))) return -2;
+    int nt = nthreads > 0 ? (int)nthreads : omp_get_max_threads();
+    int64_t chunk = CHUNK_BYTES / (4 * in) / 32 * 32;   /* both halves of a chunk's tokens in L2 */
+    chunk = chunk < 32 ? 32 : chunk;
+    #pragma omp parallel num_threads(nt)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < padded / 16; g++)
+            pack_tokens_split(x, T, in, 16 * g, packed + 16 * g * in / 2, packed + half + 16 * g * in / 2);
+        amx_configure_square();
+        for (int64_t c0 = 0; c0 < padded; c0 += chunk) {
+            int64_t tblocks = (padded - c0 < chunk ? padded - c0 : chunk) / 32;
+            int64_t panels = panel_count(fblocks, tblocks, 2 * in, nt), per = (fblocks + panels - 1) / panels;
+            #pragma omp for schedule(static) nowait
+            for (int64_t i = 0; i < panels * tblocks; i++) {
+                int64_t tok0 = c0 + i % tblocks * 32, f0 = i / tblocks * per;
+                for (int64_t f = f0; f < f0 + per && f < fblocks; f++)
+                    product_block_x3(Wh, Wl, in, out, packed + tok0 * in / 2, packed + half + tok0 * in / 2,
+                                     T, tok0, f * 32, bias, y);
+            }
+        }
+        _tile_release();
+    }
+    free(packed);
+    return 0;
+}
 #else
 int64_t ms_bf16_gemm_available(void) { return 0; }
 int64_t ms_bf16_gemm(const void *W, const void *x, const float *bias, void *y, int64_t T, int64_t in,
                      int64_t out, int64_t nthreads) {
     (void)W, (void)x, (void)bias, (void)y, (void)T, (void)in, (void)out, (void)nthreads;
     return -1;   /* built without AMX: the caller runs F.linear */
+}
+int64_t ms_bf16x3_gemm(const void *Wh, const void *Wl, const float *x, const float *bias, float *y, int64_t T,
+                       int64_t in, int64_t out, int64_t nthreads) {
+    (void)Wh, (void)Wl, (void)x, (void)bias, (void)y, (void)T, (void)in, (void)out, (void)nthreads;
+    return -1;
 }
 #endif /* HAVE_AMX_BF16 */

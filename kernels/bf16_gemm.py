@@ -1,5 +1,6 @@
 """bfloat16 products of many rows on AMX tiles (kernels/bf16_gemm.c), for the PyTorch path's
-``linear`` (minserve/models/gemm.py) in a dtype="bfloat16" engine.
+``linear`` (minserve/models/gemm.py) in a dtype="bfloat16" engine; and float32 products as three
+bf16 ones (:func:`split_linear`) where PyTorch's float32 matmul precision is "high".
 
 :func:`linear` returns None (the caller then runs ``F.linear``) unless the kernel applies: a CPU
 with AMX whose tile state Linux grants, ``MINSERVE_AMX`` not "off", bfloat16 input and weight on
@@ -42,6 +43,8 @@ def _library() -> ctypes.CDLL | None:
     lib.ms_bf16_gemm.restype = _I
     lib.ms_bf16_gemm.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
     lib.ms_bf16_gemm_available.restype = _I
+    lib.ms_bf16x3_gemm.restype = _I
+    lib.ms_bf16x3_gemm.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I]
     return lib if lib.ms_bf16_gemm_available() == 1 else None
 
 
@@ -63,4 +66,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty(T, out, dtype=torch.bfloat16)
     rc = _library().ms_bf16_gemm(weight.data_ptr(), xc.data_ptr(), None if b is None else b.data_ptr(),
                                  y.data_ptr(), T, x.shape[1], out, 0)
+    return y if rc == 0 else None
+
+
+def split(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float32 weight as two bf16 tensors, ``weight ~= hi + lo``: hi is the weight rounded to bf16,
+    lo the rest rounded again (16 of float32's 24 mantissa bits; relative error <= 2^-17)."""
+    hi = weight.to(torch.bfloat16)
+    return hi, (weight - hi.float()).to(torch.bfloat16)
+
+
+def split_linear(x: torch.Tensor, halves: tuple[torch.Tensor, torch.Tensor],
+                 bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """float32 ``x [T, in] @ (hi + lo).T + bias`` -> float32 [T, out] as ``hi xh + lo xh + hi xl``
+    on the tiles (x split as :func:`split` splits the weight; ``lo xl`` is below the rest's
+    rounding), or None when the kernel does not apply (the rules of :func:`linear`, float32 x, at
+    least ``MIN_ROWS`` rows and no upper bound: at 1024 rows it ran 2.2-2.6x oneDNN's float32 rate).
+    PyTorch documents this algorithm under ``torch.set_float32_matmul_precision("high")``."""
+    hi, lo = halves
+    T, out = x.shape[0], hi.shape[0]
+    if not (x.dtype is torch.float32 and x.dim() == 2 and T >= MIN_ROWS and x.shape[1] % 32 == 0
+            and out % 32 == 0 and hi.shape[1] == x.shape[1] and x.device.type == "cpu"
+            and _library() is not None):
+        return None
+    xc = x.contiguous()
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    y = torch.empty(T, out, dtype=torch.float32)
+    rc = _library().ms_bf16x3_gemm(hi.data_ptr(), lo.data_ptr(), xc.data_ptr(),
+                                   None if b is None else b.data_ptr(), y.data_ptr(), T, x.shape[1], out, 0)
     return y if rc == 0 else None

@@ -81,6 +81,8 @@ typedef struct {             /* one weight matrix [out, in], as its descriptor d
     const float *bias;       /* [out] or NULL */
     int64_t group_size;      /* int4: 32, 64 or 128; else 0 */
     int64_t act_int8;        /* int8 / int4 with in % 32 == 0: quantize the input rows (quant_a8.h) */
+    const uint16_t *split_hi, *split_lo;   /* f32 at fp32_matmul_precision "high": the weight as two
+                                              bf16 halves [out, in] for the tiles (amx_matmul); else NULL */
 } Weight;
 
 typedef struct {
@@ -258,7 +260,7 @@ static int64_t dense_matmul(const void *W, const float *bias, const float *x, fl
                             int64_t B, int64_t in, int64_t out, int accumulate, int bf16, int nthreads) {
 #ifdef HAVE_AMX_BF16
     if (bf16 && xs && B >= AMX_MIN_ROWS && in % AMX_K == 0 && amx_state > 0)
-        return amx_matmul(W, bias, x, xs, y, B, in, out, accumulate, nthreads);
+        return amx_matmul(W, NULL, bias, x, xs, y, B, in, out, accumulate, nthreads);
 #else
     (void)xs;
 #endif
@@ -327,6 +329,10 @@ int ms_amx(int want) {
  * and int8 activations their codes and scales. */
 static int64_t matmul(const Weight *w, const float *x, float *xs, float *y, int64_t B, int64_t in,
                       int64_t out, int accumulate, int nthreads) {
+#ifdef HAVE_AMX_BF16
+    if (w->format == WEIGHT_F32 && w->split_hi && B >= AMX_MIN_ROWS && in % AMX_K == 0 && amx_state > 0)
+        return amx_matmul(w->split_hi, w->split_lo, w->bias, x, xs, y, B, in, out, accumulate, nthreads);
+#endif
     if (w->format == WEIGHT_F32 || w->format == WEIGHT_BF16)
         return dense_matmul(w->data, w->bias, x, xs, y, B, in, out, accumulate,
                             w->format == WEIGHT_BF16, nthreads);

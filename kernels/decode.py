@@ -56,7 +56,8 @@ _PROFILE_CLOCKS = {None: 0, "wall": 1, "cpu": 2}             # decode.c's PROFIL
 
 class _Weight(ctypes.Structure):   # decode.c's Weight: one matrix in its own format
     _fields_ = [("format", _I64), ("data", ctypes.c_void_p), ("scales", _f32p), ("mins", _f32p),
-                ("bias", _f32p), ("group_size", _I64), ("act_int8", _I64)]
+                ("bias", _f32p), ("group_size", _I64), ("act_int8", _I64),
+                ("split_hi", _bf16p), ("split_lo", _bf16p)]
 
 
 class _LayerPtrs(ctypes.Structure):
@@ -196,8 +197,20 @@ def _weight(name: str, module, out: int, inp: int, bias_ok: bool = False):
     if act_int8 and (fmt in (WEIGHT_F32, WEIGHT_BF16) or inp % A8_BLOCK):
         raise KernelUnavailable(f"{name}: {d.describe()}: int8 activations need a quantized matrix "
                                 f"whose in_features divide into blocks of {A8_BLOCK}")
-    w = _Weight(fmt, _void(data, kind), _ptr(scales), _ptr(mins), _ptr(bias), group, act_int8)
-    return w, [t for t in (data, scales, mins, bias) if t is not None]
+    halves = _split_halves(name, module, out, inp) if fmt == WEIGHT_F32 else [None, None]
+    w = _Weight(fmt, _void(data, kind), _ptr(scales), _ptr(mins), _ptr(bias), group, act_int8,
+                *[_ptr(h, _bf16p) for h in halves])
+    return w, [t for t in (data, scales, mins, bias, *halves) if t is not None]
+
+
+def _split_halves(name: str, module, out: int, inp: int) -> list[torch.Tensor | None]:
+    """A float32 layer's bf16 halves (layers.Linear.split_weight, an engine at
+    fp32_matmul_precision "high"), which the step multiplies on AMX tiles at two rows or more;
+    [None, None] when it keeps none."""
+    halves = getattr(module, "bf16_halves", None)
+    if halves is None:
+        return [None, None]
+    return [_tensor(f"{name}.bf16_halves[{i}]", h, torch.bfloat16, (out, inp)) for i, h in enumerate(halves)]
 
 
 def _kv_layout(kv_caches, cfg) -> tuple[int, tuple[int, int, int, int]]:

@@ -28,6 +28,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # "int8" stores int8 codes plus a float32 scale per (token, kv head) (engine/kv_cache.py).
 KV_CACHE_DTYPES = ("auto", "int8")
 
+# PyTorch's names (torch.set_float32_matmul_precision) that a float32 engine implements.
+FP32_MATMUL_PRECISIONS = ("highest", "high")
+
 # The KV pool of a CPU engine when neither num_kv_blocks nor kv_cache_memory is given.
 DEFAULT_CPU_KV_CACHE_MEMORY = "1GiB"
 
@@ -84,6 +87,13 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     dtype: str = "float32"
+    # PyTorch's float32 matmul precision for a float32 engine's products of 16 rows or more
+    # (prefill, mixed and batched decode steps): "highest" (exact float32 products, token-exact
+    # against transformers) or "high" (each float32 operand as the sum of two bf16 halves, three bf16
+    # products on AMX tiles summed in float32: ~16 mantissa bits; kernels/bf16_gemm.c). None:
+    # torch.get_float32_matmul_precision() when the engine is built ("high" -> "high", else
+    # "highest"). "high" does anything only on a CPU with AMX. Part of the prefix-cache key.
+    fp32_matmul_precision: str | None = None
     device: str | None = None
     seed: int = 0
     enable_chunked_prefill: bool = True
@@ -150,6 +160,11 @@ class EngineConfig:
             _check_int("max_model_len", self.max_model_len, 1)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of 'float32', 'bfloat16', 'float16', got {self.dtype!r}")
+        if self.fp32_matmul_precision is None:
+            self.fp32_matmul_precision = "high" if torch.get_float32_matmul_precision() == "high" else "highest"
+        if self.fp32_matmul_precision not in FP32_MATMUL_PRECISIONS:
+            raise ValueError(f"fp32_matmul_precision must be one of {list(FP32_MATMUL_PRECISIONS)}, "
+                             f"got {self.fp32_matmul_precision!r}")
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):

@@ -74,7 +74,9 @@ class LLMEngine(EngineExtensions, EngineClientView):
                                                              self.runner.device)
         # The weight format is part of the key: int4 blocks must never be served to an fp32 engine.
         quant = config.quant_scheme.label() if config.quant_scheme is not None else "none"
-        self.model_fingerprint = model_fingerprint(loaded, config.dtype, quant, kv_cache_dtype=config.kv_cache_dtype)
+        # K/V computed at "high" differ from exact float32 ones by its rounding: a key of their own.
+        dtype = config.dtype if config.fp32_matmul_precision == "highest" else f"{config.dtype}:high"
+        self.model_fingerprint = model_fingerprint(loaded, dtype, quant, kv_cache_dtype=config.kv_cache_dtype)
         self.kv = KVCacheManager(self.kv_spec, config.enable_prefix_caching, self.model_fingerprint)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         # Speculative decoding plugs in here: an object with ``propose_batch(requests) ->

@@ -37,7 +37,8 @@ from minserve.engine.fused_step import FusedCpuExecutor, fused_decoder
 from minserve.engine.step_executor import ModelExecutor, StepExecutor
 from minserve.engine.step_io import ModelRunnerOutput, SampledToken, SchedulerOutput
 from minserve.engine.threads import CpuLoadHint, ThreadController, adaptive_threads_enabled
-from minserve.models.layers import RotaryEmbedding
+from minserve.kernels import bf16_gemm
+from minserve.models.layers import Linear, RotaryEmbedding
 from minserve.models.llama import LlamaForCausalLM
 from minserve.models.loader import LoadedModel
 from minserve.models.registry import ModelRegistry
@@ -78,6 +79,7 @@ class ModelRunner:
         dense = _quantize(self.model, config, loaded.tokenizer)
         self.model.to(device=self.device, dtype=config.torch_dtype)
         self.model.rotary.build_tables(self.device)  # fp32 tables whatever the model dtype
+        _split_for_tiles(self.model, config)
         _log_weights(self.weight_footprint(), dense, config)
         _resolve_memory_budget(config, self.weight_footprint())
         # The attention backend whose metadata any step can use (torch), the Triton decode backend
@@ -348,6 +350,20 @@ def _quantize(model: LlamaForCausalLM, config: EngineConfig, tokenizer) -> Weigh
     if config.quant_scheme is not None:
         apply_quantization(model, config.quant_scheme, tokenizer)
     return dense
+
+
+def _split_for_tiles(model: torch.nn.Module, config: EngineConfig) -> None:
+    """fp32_matmul_precision="high": every dense float32 layer also keeps its weight as two bf16
+    halves for the tiles (layers.Linear.split_weight), once, after the weights are in place and
+    before the fused decoder binds them. Nothing without AMX tiles (the exact products run)."""
+    if (config.fp32_matmul_precision != "high" or config.dtype != "float32" or config.device != "cpu"
+            or not bf16_gemm.available()):
+        return
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.weight.dtype is torch.float32]
+    for layer in layers:
+        layer.split_weight()
+    log.info("fp32_matmul_precision=high: %d float32 layers keep bf16 halves for the AMX tiles (+%.1f MiB)",
+             len(layers), sum(2 * lay.bf16_halves[0].numel() for lay in layers) * 2 / 2**20)
 
 
 def _log_weights(now: WeightFootprint, dense: WeightFootprint, config: EngineConfig) -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minserve.kernels import token_ops
+from minserve.kernels import bf16_gemm, token_ops
 from minserve.models import gemm
 from minserve.models.weights import DENSE, WeightDescriptor, load_rows
 
@@ -42,6 +42,7 @@ class Linear(nn.Module):
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
+        self.bf16_halves: tuple[torch.Tensor, torch.Tensor] | None = None   # split_weight()
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Linear":
@@ -71,9 +72,23 @@ class Linear(nn.Module):
             raise ValueError(f"expected {rows} rows for {where}{param} "
                              f"[{self.out_features} x {self.in_features}], got {tuple(tensor.shape)}")
         load_rows(target, tensor, first)
+        if param == "weight" and self.bf16_halves is not None:
+            self.split_weight()   # halves of the weight as it now is
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bf16_halves is not None and x.shape[0] >= bf16_gemm.MIN_ROWS:
+            y = bf16_gemm.split_linear(x, self.bf16_halves, self.bias)   # fp32 matmul precision "high"
+            if y is not None:
+                return y
         return gemm.linear(x, self.weight, self.bias)   # oneDNN on CPU where it is faster (gemm.py)
+
+    def split_weight(self) -> None:
+        """Keep the float32 weight also as two bf16 halves (kernels/bf16_gemm.py's split), so
+        products of many rows run as three bf16 products on AMX tiles: an engine built with
+        ``fp32_matmul_precision="high"`` calls this once the weights are loaded. A second copy of
+        the weight's bytes; the float32 weight stays for one-row products and the fused step's
+        batch 1."""
+        self.bf16_halves = bf16_gemm.split(self.weight.detach())
 
     def descriptor(self) -> WeightDescriptor:
         """What the weight is (format, shapes, tensors), for kernels that bind it directly."""

@@ -93,7 +93,8 @@ def model_footprint(model: torch.nn.Module) -> WeightFootprint:
     Streamed: what ``LlamaForCausalLM.weight_bytes()`` counts (every layer's descriptor, norms).
     Resident: every parameter and buffer of a weight module counted once by storage (a tied head
     and its embedding are one table), which includes a dense embedding kept beside an untied
-    quantized head. Rotary tables are position caches, not weights: not counted."""
+    quantized head, and a float32 layer's bf16 halves (fp32_matmul_precision "high"). Rotary tables
+    are position caches, not weights: not counted."""
     streamed, by_format = 0, {}
     for m in model.modules():
         if callable(getattr(m, "descriptor", None)):
@@ -103,7 +104,9 @@ def model_footprint(model: torch.nn.Module) -> WeightFootprint:
     norms = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, RMSNorm))
     rotary = {t.data_ptr() for m in model.modules() if isinstance(m, RotaryEmbedding) for t in m.buffers()}
     storages = {}
-    for t in list(model.parameters()) + list(model.buffers()):
+    # plus the bf16 halves a float32 layer keeps at fp32_matmul_precision "high" (layers.Linear)
+    halves = [h for m in model.modules() for h in (getattr(m, "bf16_halves", None) or ())]
+    for t in list(model.parameters()) + list(model.buffers()) + halves:
         if t.data_ptr() not in rotary and t.numel():
             storages[t.data_ptr()] = t.numel() * t.element_size()
     emb = model.embed_tokens.weight

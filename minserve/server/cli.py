@@ -18,7 +18,8 @@ import types
 import typing
 from dataclasses import MISSING, fields
 
-from minserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineConfig
+from minserve.config import (DEFAULT_CPU_KV_CACHE_MEMORY, FP32_MATMUL_PRECISIONS, KV_CACHE_DTYPES,
+                             SCHEDULING_POLICIES, EngineConfig)
 from minserve.quant.schemes import QUANTIZATION_METHODS
 from minserve.server.admission import AdmissionConfig, ClassLimits
 from minserve.server.connections import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
@@ -110,6 +111,8 @@ ENGINE_HELP = {
     "max_model_len": "longest prompt + output (default: the model's context length)",
     "enable_prefix_caching": "reuse the KV blocks of a shared prompt prefix",
     "dtype": "weights and activations",
+    "fp32_matmul_precision": "float32 products of 16+ rows: highest (exact) or high (three bf16 products "
+                             "on AMX tiles, ~16 mantissa bits; default: torch's setting)",
     "device": "cpu or cuda[:N] (default: cuda when available)",
     "seed": "engine seed for sampling without a per-request seed",
     "enable_chunked_prefill": "split long prompts into chunks that share steps with decodes",
@@ -132,7 +135,7 @@ ENGINE_HELP = {
     "logits_processors": "custom logits processors, qualified class names (package.module:Class); "
                          "clients pass their per-request arguments in vllm_xargs (docs/extending.md)",
 }
-ENGINE_CHOICES = {"dtype": ("float32", "bfloat16", "float16"),
+ENGINE_CHOICES = {"dtype": ("float32", "bfloat16", "float16"), "fp32_matmul_precision": FP32_MATMUL_PRECISIONS,
                   "kv_cache_dtype": KV_CACHE_DTYPES, "quantization": QUANTIZATION_METHODS}
 
 
