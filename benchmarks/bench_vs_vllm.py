@@ -16,7 +16,8 @@ engine produces exactly the requested tokens. Three measurements per engine:
 For each minserve engine the mixed workload's time is also split by kind of step (prefill, mixed,
 decode; ``step_kinds.py``): the profile that says what bounds the mixed figure.
 
-Engines: minserve fp32 / bf16 (``dtype="bfloat16"``) / int8 / int4 in this process
+Engines: minserve fp32 / fp32-high (``fp32_matmul_precision="high"``) / bf16 (``dtype="bfloat16"``) /
+int8 / int4 in this process
 (``EngineConfig.quantization``), int8-a8 / int4-a8 (W8A8 / W4A8: the same weights with
 ``quantization_config={"activations": "int8"}``, integer dot products), vLLM fp32 /
 bf16 each in a long-lived worker subprocess of vLLM's venv (``make vllm-venv``) that holds one
@@ -55,10 +56,13 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ENGINES = ("minserve-fp32", "minserve-bf16", "minserve-int8", "minserve-int4", "minserve-int8-a8",
-           "minserve-int4-a8", "vllm-fp32", "vllm-bf16")
-# Engine pairs the targets compare (minserve, its peer), and every metric measured.
-MATCHED = (("minserve-fp32", "vllm-fp32"), ("minserve-bf16", "vllm-bf16"))
+ENGINES = ("minserve-fp32", "minserve-fp32-high", "minserve-bf16", "minserve-int8", "minserve-int4",
+           "minserve-int8-a8", "minserve-int4-a8", "vllm-fp32", "vllm-bf16")
+# Engine pairs the targets compare (minserve, its peer), and every metric measured. The
+# fp32-high row keeps float32 weights and activations and multiplies at PyTorch's "high" precision
+# (fp32_matmul_precision="high": three bf16 products, ~16 mantissa bits); vLLM's fp32 runs at
+# PyTorch's default, "highest": compared with it, but not bit for bit the same precision.
+MATCHED = (("minserve-fp32", "vllm-fp32"), ("minserve-fp32-high", "vllm-fp32"), ("minserve-bf16", "vllm-bf16"))
 METRICS = ("mixed_tok_s", "decode_tok_s", "decode16_tok_s", "prefill_tok_s")
 
 
@@ -169,15 +173,16 @@ class VllmEngine:
 
 class MinserveEngine:
     def __init__(self, name: str, quantization: str | None, args, dtype: str = "float32",
-                 quantization_config: dict | None = None):
+                 quantization_config: dict | None = None, fp32_matmul_precision: str = "highest"):
         from minserve import LLM
         self.name = name
         self.llm = LLM("smollm2-135m", quantization=quantization, quantization_config=quantization_config,
-                       dtype=dtype, max_num_seqs=args.max_num_seqs,
+                       dtype=dtype, fp32_matmul_precision=fp32_matmul_precision, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, kv_cache_memory=f"{args.kv_cache_gib}GiB",
                        enable_prefix_caching=False, seed=args.seed)
-        self.info = {"quantization": quantization, "dtype": dtype, "quantization_config": quantization_config}
+        self.info = {"quantization": quantization, "dtype": dtype, "quantization_config": quantization_config,
+                     "fp32_matmul_precision": fp32_matmul_precision}
 
     def run(self, prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, list[list[int]]]:
         from minserve import SamplingParams
@@ -196,6 +201,8 @@ def make_engine(name: str, args, model_dir: Path, log_dir: Path):
         return VllmEngine(name, {"fp32": "float32", "bf16": "bfloat16"}[fmt], args, model_dir, log_dir)
     if fmt == "bf16":
         return MinserveEngine(name, None, args, dtype="bfloat16")
+    if fmt == "fp32-high":
+        return MinserveEngine(name, None, args, fp32_matmul_precision="high")
     if fmt.endswith("-a8"):
         return MinserveEngine(name, fmt[:-3], args, quantization_config={"activations": "int8"})
     return MinserveEngine(name, None if fmt == "fp32" else fmt, args)

@@ -19,7 +19,8 @@ from __future__ import annotations
 import statistics
 
 # Each row's weights and activations as the planner names them (minserve.plan.budget).
-ROW_FORMATS = {"fp32": ("fp32", "float32"), "bf16": ("bf16", "bfloat16"), "int8": ("int8", "float32"),
+ROW_FORMATS = {"fp32": ("fp32", "float32"), "fp32-high": ("fp32", "float32"), "bf16": ("bf16", "bfloat16"),
+               "int8": ("int8", "float32"),
                "int4": ("int4", "float32"), "int8-a8": ("int8", "float32"), "int4-a8": ("int4", "float32")}
 
 
@@ -35,6 +36,8 @@ def arithmetic_ceiling(name: str, probes: list[dict], bf16_dot: float | None) ->
         return statistics.median(vals) if vals else None
     if name.endswith("-a8"):
         return None
+    if name.endswith("-high"):   # three tile products per float32 one; no tiles: the exact products
+        return median("tiles") / 3 if median("tiles") else median("fma")
     if row_format(name)[0] == "fp32":
         return median("fma")
     from bench_roofline import bf16_ceiling   # the roofline script's own rule for the bf16 ceiling

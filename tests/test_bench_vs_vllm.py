@@ -155,6 +155,10 @@ def test_the_ceiling_a_row_is_held_to_follows_its_format():
     a8 = out["minserve-int4-a8"]                               # integer dots are not probed: bytes only
     assert a8["ceiling_gflops"] is None and set(k for k in a8 if k.endswith("_pct")) == {"decode_1_pct"}
     assert _shares({"minserve-bf16": row})["minserve-bf16"]["ceiling_gflops"] == 150.0   # nothing else
+    # fp32 at "high": three tile products per float32 one; without tiles its products are exact (FMA)
+    tiled = {**row, "host_probe_runs": [{"fma": 150.0, "tiles": 3000.0}]}
+    assert _shares({"minserve-fp32-high": tiled})["minserve-fp32-high"]["ceiling_gflops"] == 1000.0
+    assert _shares({"minserve-fp32-high": row})["minserve-fp32-high"]["ceiling_gflops"] == 150.0
 
 
 def test_the_shares_table_prints_under_the_ratios_with_its_bounds():
