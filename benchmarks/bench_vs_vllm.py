@@ -390,9 +390,10 @@ def main() -> None:
     print("\n" + res["markdown"])
     for name, k in step_kinds.items():
         print(f"\n{name}, the mixed workload by kind of step (last round):\n{k['table']}")
-    if "greedy_fp32_identical" in res:
-        print(f"\nminserve fp32 and vLLM fp32 greedy outputs identical on {res['greedy_fp32_identical']}"
-              f"/{len(work)} mixed requests")
+    for key, label in (("fp32", "fp32"), ("fp32_high", "fp32 at \"high\"")):
+        if f"greedy_{key}_identical" in res:
+            print(f"\nminserve {label} and vLLM fp32 greedy outputs identical on "
+                  f"{res[f'greedy_{key}_identical']}/{len(work)} mixed requests")
     print(f"\nresults: {out}")
 
 
