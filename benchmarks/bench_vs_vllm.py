@@ -379,10 +379,11 @@ def main() -> None:
     res["phase_notes"] = phase_notes(probes, MATCHED)
     res["ceiling_shares"] = roofline_share.for_run(res["engines"], model_dir, args)
     res["mixed_step_kinds"] = {n: k["summary"] for n, k in step_kinds.items()}
-    if "minserve-fp32" in tokens and "vllm-fp32" in tokens:
-        a, b = tokens["minserve-fp32"], tokens["vllm-fp32"]
-        res["greedy_fp32_identical"] = sum(x == y for x, y in zip(a, b))
-        res["greedy_fp32_leading_agreement"] = [leading_agreement(x, y) for x, y in zip(a, b)]
+    for mine, key in (("minserve-fp32", "fp32"), ("minserve-fp32-high", "fp32_high")):   # against vLLM fp32
+        if mine in tokens and "vllm-fp32" in tokens:
+            a, b = tokens[mine], tokens["vllm-fp32"]
+            res[f"greedy_{key}_identical"] = sum(x == y for x, y in zip(a, b))
+            res[f"greedy_{key}_leading_agreement"] = [leading_agreement(x, y) for x, y in zip(a, b)]
     res["markdown"] = markdown(res)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
