@@ -14,7 +14,8 @@ Goodput is the rate of requests that met both SLOs (TTFT 2 s, TPOT 250 ms: a cha
 laptop CPU). ``bench serve`` sends one unmeasured test request first, so the first rate does not
 carry a cold server; each rate gets fresh prompts (seed + k), the same for every server.
 
-Servers: ``minserve serve`` fp32 / bf16 (``--dtype bfloat16``) / int8 / int4 (``--quantization``) /
+Servers: ``minserve serve`` fp32 / fp32-high (``--fp32-matmul-precision high``) / bf16 (``--dtype
+bfloat16``) / int8 / int4 (``--quantization``) /
 int8-a8 / int4-a8 (the same with ``--quantization-config '{"activations": "int8"}'``),
 vLLM fp32 / bf16 (its CPU build, ``make vllm-venv``; given every core with
 ``VLLM_CPU_OMP_THREADS_BIND``, as minserve's torch has them). Both with ``--max-num-seqs 16`` and prefix caching off, so that every prefill is paid.
@@ -39,8 +40,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests"))   # vllm_peer: how to start vLLM's CPU build, and wait for a server
-SERVERS = ("minserve-fp32", "minserve-bf16", "minserve-int8", "minserve-int4", "minserve-int8-a8",
-           "minserve-int4-a8", "vllm-fp32", "vllm-bf16")
+SERVERS = ("minserve-fp32", "minserve-fp32-high", "minserve-bf16", "minserve-int8", "minserve-int4",
+           "minserve-int8-a8", "minserve-int4-a8", "vllm-fp32", "vllm-bf16")
 FIGURES = ("request_goodput", "request_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")
 
 
@@ -76,10 +77,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 @contextlib.contextmanager
 def minserve_server(fmt: str, args, log_dir: Path):
     """``minserve serve`` on a free port, the format's ``--quantization`` (bf16: ``--dtype
-    bfloat16``), until the block ends."""
+    bfloat16``; fp32-high: ``--fp32-matmul-precision high``), until the block ends."""
     from vllm_peer import free_port, wait_healthy
     port = free_port()
-    quant = {"fp32": [], "bf16": ["--dtype", "bfloat16"]}.get(fmt, ["--quantization", fmt.removesuffix("-a8")])
+    quant = {"fp32": [], "fp32-high": ["--fp32-matmul-precision", "high"],
+             "bf16": ["--dtype", "bfloat16"]}.get(fmt, ["--quantization", fmt.removesuffix("-a8")])
     if fmt.endswith("-a8"):   # W8A8 / W4A8: the same weights, int8 activations
         quant += ["--quantization-config", json.dumps({"activations": "int8"})]
     cmd = [sys.executable, "-m", "minserve.cli", "serve", "smollm2-135m", "--port", str(port),
