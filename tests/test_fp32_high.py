@@ -97,11 +97,12 @@ def _fused_matmul(lib, w, x, halves):
 
 
 @needs_tiles
-@pytest.mark.parametrize("rows,n_in,out", [(2, 64, 32), (16, 576, 960), (23, 128, 48)])
+@pytest.mark.parametrize("rows,n_in,out", [(2, 64, 32), (16, 576, 960), (23, 128, 48), (5, 96, 40)])
 def test_the_fused_step_multiplies_split_weights_on_the_tiles(amx, rows, n_in, out):
-    """Two or more rows: the halves on the tiles (rows past the last whole 16-row tile, 48 -> 40
-    + 8 here, go the plain loop over the same halves). One row, or the tiles off: the float32
-    weight itself, exactly as without halves."""
+    """Two or more rows: the halves on the tiles (23 rows: a group of 16 and one of 7; 48 outputs:
+    a pair of 16-row tiles and a lone one; 40: the 8 rows past the last whole tile go the plain
+    loop over the same halves). One row, or the tiles off: the float32 weight itself, exactly as
+    without halves."""
     x, w, _ = _inputs(rows, n_in, out, seed=rows + n_in)
     halves = bf16_gemm.split(w)
     tiles = _fused_matmul(amx, w, x, halves)
