@@ -29,7 +29,8 @@ For each step and format the table gives the measured step time, the arithmetic 
 planner's formulas, minserve/plan/budget.py: matmuls of every layer, attention, the LM head of the
 sampled rows) as GFLOP/s and as a fraction of the fp32 and bf16 ceilings, the bytes it read as GB/s
 and as a fraction of the bandwidth, and the roofline: the least time the step could take at the
-fastest arithmetic its format could use (fp32: fp32 FMA; bf16, int8, int4: the bf16 ceiling, the
+fastest arithmetic its format could use (fp32: fp32 FMA; fp32-high, ``fp32_matmul_precision="high"``:
+a third of the AMX tile rate, three tile products per float32 one; bf16, int8, int4: the bf16 ceiling, the
 highest of the bf16 dot-product rate, the AMX tile rate and PyTorch's bf16 GEMM; the fp32 FMA rate on a CPU without bf16 dot products; int8-a8, int4-a8 (int8 activations):
 the int8 dot-product rate, VNNI's or AVX2's vpmaddubsw) and full bandwidth, over the measured
 time. (The a8 formats run only their products in integers: attention and the rest stay fp32, so
@@ -55,7 +56,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 A8 = {"activations": "int8"}
-FORMATS = {"fp32": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"},
+FORMATS = {"fp32": {}, "fp32-high": {"fp32_matmul_precision": "high"}, "bf16": {"dtype": "bfloat16"},
+           "int8": {"quantization": "int8"},
            "int4": {"quantization": "int4"},
            "int8-a8": {"quantization": "int8", "quantization_config": A8},   # W8A8: int8 dot products
            "int4-a8": {"quantization": "int4", "quantization_config": A8}}   # W4A8
@@ -336,6 +338,13 @@ def bf16_ceiling(ceil: dict) -> float:
     return max((r for r in rates if r), default=0.0) or ceil["fp32_fma"]
 
 
+def fp32_high_ceiling(ceil: dict) -> float:
+    """The rate of float32 products at fp32_matmul_precision="high": a third of the tile rate
+    (three bf16 tile products per float32 one, kernels/bf16_gemm.c); without tiles the engine
+    runs the exact float32 products, so the fp32 FMA rate."""
+    return ceil["bf16_tiles"] / 3 if ceil.get("bf16_tiles") else ceil["fp32_fma"]
+
+
 def step_rows(fmt: str, m: dict, ceil: dict, args) -> list[dict]:
     """One row per step type: what it did, how fast, and how far from its roofline."""
     from minserve.plan import budget
@@ -344,7 +353,8 @@ def step_rows(fmt: str, m: dict, ceil: dict, args) -> list[dict]:
     # everything but fp32 itself (a quantized weight is expanded before the product).
     bf16 = bf16_ceiling(ceil)
     rate = (ceil["fp32_fma"] if fmt == "fp32" else
-            (ceil["int8_dot"] or ceil["fp32_fma"]) if fmt.endswith("-a8") else bf16)
+            (ceil["int8_dot"] or ceil["fp32_fma"]) if fmt.endswith("-a8") else
+            fp32_high_ceiling(ceil) if fmt == "fp32-high" else bf16)
     ctx = 64 + 16   # the decode runs: 64-token prompts, the median step about 16 tokens in
     shapes = {"prefill": budget.prefill(cfg, w, kv, args.prefill_len, bw, rate),
               "decode, batch 16": budget.decode_step(cfg, w, kv, 16, ctx, bw, rate),

@@ -36,11 +36,11 @@ def arithmetic_ceiling(name: str, probes: list[dict], bf16_dot: float | None) ->
         return statistics.median(vals) if vals else None
     if name.endswith("-a8"):
         return None
-    if name.endswith("-high"):   # three tile products per float32 one; no tiles: the exact products
-        return median("tiles") / 3 if median("tiles") else median("fma")
+    from bench_roofline import bf16_ceiling, fp32_high_ceiling   # the roofline script's own rules
+    if name.endswith("-high"):
+        return fp32_high_ceiling({"bf16_tiles": median("tiles"), "fp32_fma": median("fma")})
     if row_format(name)[0] == "fp32":
         return median("fma")
-    from bench_roofline import bf16_ceiling   # the roofline script's own rule for the bf16 ceiling
     return bf16_ceiling({"bf16_dot": bf16_dot, "bf16_tiles": median("tiles"), "fp32_fma": median("fma")})
 
 
