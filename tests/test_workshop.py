@@ -140,16 +140,28 @@ def test_doctor_rows(monkeypatch, tmp_path):
     monkeypatch.setenv("MINSERVE_CACHE", str(tmp_path / "empty"))
     rows = doctor.run_checks(short=True)
     names = [r.check for r in rows]
-    assert names[:7] == ["python", "torch", "C compiler", "decode kernel", "model cache", "memory", "lab packages"]
+    assert names[:8] == ["python", "torch", "CPU", "C compiler", "decode kernel", "model cache", "memory",
+                         "lab packages"]
     assert all(r.status in ("ok", "warn", "fail") for r in rows)
     assert not (tmp_path / "empty").exists()  # the short form writes nothing
-    cache = rows[4]
+    cache = rows[5]
     assert cache.status == "warn" and cache.fix == "minserve prepare"
     # Unprepared and read-only: a participant cannot load the model at all.
     monkeypatch.setattr(doctor, "_writable", lambda path: False)
     cache = doctor._model_cache(short=True)
     assert cache.status == "fail" and "minserve prepare --cache-dir" in cache.fix
     assert "fix" in doctor.format_checks([cache], short=True)
+
+
+@pytest.mark.parametrize("flags,says", [
+    ({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "AVX-512; AMX tiles"),
+    ({"avx2", "avx512f", "avx512_bf16"}, "AVX-512; bf16 dot products, no AMX tiles"),
+    ({"avx2"}, "AVX2; no bf16 dot products: dtype=\"bfloat16\" is emulated")])
+def test_doctor_says_what_the_cpu_multiplies_with(monkeypatch, flags, says):
+    from minserve.kernels import build
+    monkeypatch.setattr(build, "cpu_flags", lambda: flags)
+    row = doctor._cpu(short=True)
+    assert row.status == "ok" and says in row.detail
 
 
 def test_doctor_contains_crashing_checks_and_sets_the_exit_code(monkeypatch, capsys):

@@ -79,6 +79,26 @@ def _kernel(short: bool) -> Check:
     return Check("decode kernel", "ok", f"built and loaded: {path}")
 
 
+def _cpu(short: bool) -> Check:
+    """What the CPU multiplies with, and so which engine settings are fast here: bf16 products need
+    bf16 dot products (AVX-512 BF16) or AMX tiles, and fp32_matmul_precision="high" needs the tiles.
+    The full check also asks whether this process may use the tiles (Linux grants them)."""
+    from minserve.kernels.build import cpu_flags
+    flags = cpu_flags()
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2 or AVX-512"
+    tiles = {"amx_bf16", "amx_tile"} <= flags
+    if tiles and not short:
+        from minserve.kernels import bf16_gemm
+        tiles = bf16_gemm.available()
+    if tiles:
+        detail = "AMX tiles: bf16 engines and fp32_matmul_precision=\"high\" multiply on them"
+    elif "avx512_bf16" in flags:
+        detail = "bf16 dot products, no AMX tiles: fp32_matmul_precision=\"high\" changes nothing"
+    else:
+        detail = "no bf16 dot products: dtype=\"bfloat16\" is emulated (slower than float32)"
+    return Check("CPU", "ok", f"{platform.machine()}, {os.cpu_count()} cores, {vector}; {detail}")
+
+
 def _writable(path) -> bool:
     """Whether we could create files in ``path`` or, if it does not exist yet, in its parents.
     (os.access says yes to root whatever the bits; root can indeed write there.)"""
@@ -156,7 +176,7 @@ def _lab_packages(short: bool) -> Check:
     return Check("lab packages", "ok", "jupyterlab, ipywidgets, pandas, matplotlib")
 
 
-CHECKS = (_python, _torch, _compiler, _kernel, _model_cache, _memory, _gpu, _lab_packages)
+CHECKS = (_python, _torch, _cpu, _compiler, _kernel, _model_cache, _memory, _gpu, _lab_packages)
 
 
 def run_checks(short: bool = False) -> list[Check]:
