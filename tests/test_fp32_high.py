@@ -71,6 +71,9 @@ def test_a_split_layer_takes_many_rows_to_the_tiles_and_few_to_the_exact_product
     # loading a new weight makes new halves: the product follows the weight, not the old halves
     layer.load(-w)
     assert _within_split_rounding(layer(x), x, -w)
+    # MINSERVE_GEMM=torch keeps every product in F.linear, the halves' too
+    monkeypatch.setattr(gemm, "_requested", lambda: "torch")
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, -w)) and calls == [bf16_gemm.MIN_ROWS] * 2
 
 
 @pytest.fixture

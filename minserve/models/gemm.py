@@ -24,6 +24,10 @@ CPU with AMX those of 16 to 384 rows (mixed steps, their LM head, short prefill 
 tiles in kernels/bf16_gemm.c, which reads the weight as it lies where oneDNN reorders it on every
 call: 0.96-1.9x oneDNN's rate over SmolLM2's products there (kernels/bf16_gemm.py has the sweep).
 
+A float32 engine at ``fp32_matmul_precision="high"`` passes each weight's two bf16 halves too, and
+float32 products of 16 rows or more run as three bf16 products on the AMX tiles
+(kernels/bf16_gemm.py's split_linear: 2.2-2.6x MKL's float32 rate at 1024 rows, ~16 mantissa bits).
+
 ``MINSERVE_GEMM=torch`` forces ``F.linear`` everywhere (to compare, or where oneDNN misbehaves);
 ``onednn`` uses oneDNN for every 2-D float32 CPU input; ``auto`` (the default) takes oneDNN except on
 an Intel CPU. A PyTorch without oneDNN (an ARM or a minimal build) falls back to ``F.linear`` by
@@ -83,12 +87,20 @@ def backend() -> str:
     return "onednn"
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           halves: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``: oneDNN for 2-D float32 CPU inputs with a contiguous weight,
     float32 tiles for bf16 ones of ``WIDEN_MIN_ROWS`` rows or more on a CPU without bf16 dot
-    products, ``F.linear`` for everything else (other dtypes and devices, empty inputs)."""
+    products, ``F.linear`` for everything else (other dtypes and devices, empty inputs).
+    ``halves``: the float32 weight's bf16 halves (fp32_matmul_precision "high",
+    layers.Linear.split_weight): float32 inputs of ``bf16_gemm.MIN_ROWS`` rows or more then run as
+    three bf16 products on the AMX tiles (kernels/bf16_gemm.py's split_linear)."""
     if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] == 0 or not weight.is_contiguous():
         return F.linear(x, weight, bias)
+    if halves is not None and x.shape[0] >= bf16_gemm.MIN_ROWS and _requested() != "torch":
+        y = bf16_gemm.split_linear(x, halves, bias)
+        if y is not None:
+            return y
     if x.dtype is torch.float32 and weight.dtype is torch.float32 and backend() == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
     if x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and x.shape[0] >= WIDEN_MIN_ROWS:

@@ -76,11 +76,8 @@ class Linear(nn.Module):
             self.split_weight()   # halves of the weight as it now is
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bf16_halves is not None and x.shape[0] >= bf16_gemm.MIN_ROWS:
-            y = bf16_gemm.split_linear(x, self.bf16_halves, self.bias)   # fp32 matmul precision "high"
-            if y is not None:
-                return y
-        return gemm.linear(x, self.weight, self.bias)   # oneDNN on CPU where it is faster (gemm.py)
+        # oneDNN on CPU where it is faster; the bf16 halves at fp32_matmul_precision "high" (gemm.py)
+        return gemm.linear(x, self.weight, self.bias, self.bf16_halves)
 
     def split_weight(self) -> None:
         """Keep the float32 weight also as two bf16 halves (kernels/bf16_gemm.py's split), so
