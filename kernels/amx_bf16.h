@@ -82,6 +82,16 @@ static inline void amx_configure_square(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* 16 floats -> their bf16 halves, a ~= hi + lo: hi is a rounded to bf16, lo the rest rounded
+ * again (16 of float32's 24 mantissa bits). Also kernels/bf16_gemm.c's split products. */
+static inline void split_bf16x16(__m512 a, __m256i *hi, __m256i *lo) {
+    __m256bh h = _mm512_cvtneps_pbh(a);
+    /* back to float32 (a bf16 is the top half of a float32) for the remainder */
+    __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+    *hi = (__m256i)h;
+    *lo = (__m256i)_mm512_cvtneps_pbh(a - back);
+}
+
 /* x [B, in] (float32, in % 32 == 0) -> hi and lo [B * in] bf16 each, in the B tiles' pair layout:
  * input rows in groups of 16 (the last may be smaller), and within a group of n rows, for each
  * 32-column block t: 16 pair rows of n pairs, i.e. hi[g0 * in + (t * 16 + kk) * 2n + 2b + j] =
@@ -94,15 +104,12 @@ static void amx_pack_inputs(const float *x, int64_t B, int64_t in, uint16_t *hi,
         for (int64_t b = 0; b < n; b++) {
             const float *row = x + (g0 + b) * in;
             for (int64_t t = 0; t < in / AMX_K; t++) {
-                __m512 a = _mm512_loadu_ps(row + t * AMX_K), c = _mm512_loadu_ps(row + t * AMX_K + 16);
-                __m256bh ah = _mm512_cvtneps_pbh(a), ch = _mm512_cvtneps_pbh(c);
-                /* back to float32 (a bf16 is the top half of a float32) for the remainder */
-                __m512 aw = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)ah), 16));
-                __m512 cw = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)ch), 16));
-                __m256bh al = _mm512_cvtneps_pbh(a - aw), cl = _mm512_cvtneps_pbh(c - cw);
+                __m256i ah, al, ch, cl;
+                split_bf16x16(_mm512_loadu_ps(row + t * AMX_K), &ah, &al);
+                split_bf16x16(_mm512_loadu_ps(row + t * AMX_K + 16), &ch, &cl);
                 /* 32 bf16 in column order are 16 dwords, pair kk in dword kk: scatter to pair rows */
-                __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)ah), (__m256i)ch, 1);
-                __m512i l = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)al), (__m256i)cl, 1);
+                __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(ah), ch, 1);
+                __m512i l = _mm512_inserti64x4(_mm512_castsi256_si512(al), cl, 1);
                 int64_t at_pair0 = g0 * in + t * AMX_K * n + 2 * b;   /* pair row 0, this row */
                 _mm512_i32scatter_epi32(hi + at_pair0, at, h, 4);
                 _mm512_i32scatter_epi32(lo + at_pair0, at, l, 4);

@@ -22,13 +22,17 @@
  *
  * Precision: bf16 x bf16 products summed in float32 and rounded once (what oneDNN's bf16 product
  * does), in another order: results differ from F.linear's by bf16 rounding of the sums.
+ *
+ * ms_bf16x3_gemm, below, is the float32 product of an engine at fp32_matmul_precision "high": the
+ * same blocks and order, each operand split into two bf16 halves and three tile products summed
+ * (product_block_x3), the output kept in float32.
  */
 #define _DEFAULT_SOURCE   /* syscall (amx_bf16.h asks Linux for the AMX tile state) */
 #define _POSIX_C_SOURCE 200112L
 #include <stdlib.h>
 
 #include "vmath.h"      /* quant_dot.h (omp.h, vf16), bf16_to_float */
-#include "amx_bf16.h"   /* HAVE_AMX_BF16, amx_enable, amx_configure_square */
+#include "amx_bf16.h"   /* HAVE_AMX_BF16, amx_enable, amx_configure_square, split_bf16x16 */
 
 #ifdef HAVE_AMX_BF16
 #define CHUNK_BYTES (1 << 20)   /* packed tokens per chunk: half of a core's L2 on the Xeon */
@@ -114,15 +118,12 @@ static void pack_tokens_split(const float *x, int64_t T, int64_t in, int64_t g0,
     for (int64_t t = 0; t < in / 32; t++) {
         __m512i h[16], l[16];
         for (int n = 0; n < 16; n++) {
-            __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-            if (g0 + n < T) a = _mm512_loadu_ps(x + (g0 + n) * in + 32 * t), b = _mm512_loadu_ps(x + (g0 + n) * in + 32 * t + 16);
-            __m256bh ah = _mm512_cvtneps_pbh(a), bh = _mm512_cvtneps_pbh(b);
-            /* back to float32 (a bf16 is the top half of a float32) for the remainder */
-            __m512 aw = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)ah), 16));
-            __m512 bw = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)bh), 16));
-            __m256bh al = _mm512_cvtneps_pbh(a - aw), bl = _mm512_cvtneps_pbh(b - bw);
-            h[n] = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)ah), (__m256i)bh, 1);
-            l[n] = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)al), (__m256i)bl, 1);
+            const float *row = x + (g0 + n < T ? g0 + n : 0) * in + 32 * t;   /* past T: zeros below */
+            __m256i ah, al, bh, bl;
+            split_bf16x16(g0 + n < T ? _mm512_loadu_ps(row) : _mm512_setzero_ps(), &ah, &al);
+            split_bf16x16(g0 + n < T ? _mm512_loadu_ps(row + 16) : _mm512_setzero_ps(), &bh, &bl);
+            h[n] = _mm512_inserti64x4(_mm512_castsi256_si512(ah), bh, 1);
+            l[n] = _mm512_inserti64x4(_mm512_castsi256_si512(al), bl, 1);
         }
         transpose16(h);
         transpose16(l);
