@@ -153,3 +153,13 @@ def test_an_engine_at_high_matches_the_exact_engine_to_its_rounding():
         assert high.outputs[0].token_ids == exact.outputs[0].token_ids
         for tok, a, b in zip(prompt["prompt_token_ids"][1:], exact.prompt_logprobs[1:], high.prompt_logprobs[1:]):
             assert abs(b[tok].logprob - a[tok].logprob) < 1e-3
+
+
+def test_an_engine_says_when_high_changes_nothing(monkeypatch, caplog):
+    """No tiles (or a bf16 engine): no halves, and the log says why rather than nothing."""
+    monkeypatch.setattr(bf16_gemm, "available", lambda: False)
+    with caplog.at_level("INFO", logger="minserve"):
+        llm = LLM("tiny-llama", num_kv_blocks=16, fp32_matmul_precision="high", device="cpu")
+    layers = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, Linear)]
+    assert layers and all(m.bf16_halves is None for m in layers)
+    assert "fp32_matmul_precision=high changes nothing: no AMX tiles" in caplog.text

@@ -356,10 +356,16 @@ def _split_for_tiles(model: torch.nn.Module, config: EngineConfig) -> None:
     """fp32_matmul_precision="high": every dense float32 layer also keeps its weight as two bf16
     halves for the tiles (layers.Linear.split_weight), once, after the weights are in place and
     before the fused decoder binds them. Nothing without AMX tiles (the exact products run)."""
-    if (config.fp32_matmul_precision != "high" or config.dtype != "float32" or config.device != "cpu"
-            or not bf16_gemm.available()):
+    if config.fp32_matmul_precision != "high":
         return
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.weight.dtype is torch.float32]
+    why_not = ("the engine is not on the CPU" if config.device != "cpu" else
+               f"dtype={config.dtype!r} has no float32 products" if config.dtype != "float32" else
+               "no float32 layers (all quantized)" if not layers else
+               "no AMX tiles here (or MINSERVE_AMX=off)" if not bf16_gemm.available() else None)
+    if why_not:
+        log.info("fp32_matmul_precision=high changes nothing: %s; the products stay as they are", why_not)
+        return
     for layer in layers:
         layer.split_weight()
     log.info("fp32_matmul_precision=high: %d float32 layers keep bf16 halves for the AMX tiles (+%.1f MiB)",
