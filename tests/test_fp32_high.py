@@ -47,7 +47,7 @@ def _within_split_rounding(y, x, w, bias=None):
 @needs_tiles
 @pytest.mark.parametrize("rows,n_in,out", [(16, 64, 32), (17, 96, 64), (33, 576, 960), (600, 1536, 96)])
 def test_split_products_keep_16_mantissa_bits(rows, n_in, out):
-    """Token tails (17, 33), several weight blocks, and 600 rows: two chunks of tokens."""
+    """Token tails (17, 33), several weight blocks, and 600 rows of 1536: four chunks of 160 tokens."""
     x, w, b = _inputs(rows, n_in, out, seed=rows)
     y = bf16_gemm.split_linear(x, bf16_gemm.split(w), b)
     assert y is not None and y.dtype == torch.float32 and y.shape == (rows, out)
