@@ -75,9 +75,10 @@ static void pack_tokens(const uint16_t *x, int64_t T, int64_t in, int64_t g0, ui
 }
 
 /* c [2][16 features][16 tokens] (two C tiles: features f0 .. f0 + 31) -> y rows tok0 .. (< T),
- * columns f0 .. f0 + 31, plus the bias, rounded to bf16. */
-static void store_block(float c[2][16][16], uint16_t *y, int64_t out, int64_t T, int64_t tok0, int64_t f0,
-                        const float *bias) {
+ * columns f0 .. f0 + 31, plus the bias: rounded to bf16 into y16, or kept float32 in y32 (the
+ * split product's; the other pointer is NULL). */
+static void store_block(float c[2][16][16], uint16_t *y16, float *y32, int64_t out, int64_t T, int64_t tok0,
+                        int64_t f0, const float *bias) {
     __m512i lo[16], hi[16];
     for (int i = 0; i < 16; i++) lo[i] = _mm512_load_si512(c[0][i]), hi[i] = _mm512_load_si512(c[1][i]);
     transpose16(lo);
@@ -85,15 +86,26 @@ static void store_block(float c[2][16][16], uint16_t *y, int64_t out, int64_t T,
     __m512 b0 = bias ? _mm512_loadu_ps(bias + f0) : _mm512_setzero_ps();
     __m512 b1 = bias ? _mm512_loadu_ps(bias + f0 + 16) : _mm512_setzero_ps();
     for (int n = 0; n < 16 && tok0 + n < T; n++) {
-        __m512bh v = _mm512_cvtne2ps_pbh(_mm512_castsi512_ps(hi[n]) + b1, _mm512_castsi512_ps(lo[n]) + b0);
-        _mm512_storeu_si512(y + (tok0 + n) * out + f0, (__m512i)v);
+        __m512 v0 = _mm512_castsi512_ps(lo[n]) + b0, v1 = _mm512_castsi512_ps(hi[n]) + b1;
+        int64_t at = (tok0 + n) * out + f0;
+        if (y32) _mm512_storeu_ps(y32 + at, v0), _mm512_storeu_ps(y32 + at + 16, v1);
+        else _mm512_storeu_si512(y16 + at, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
     }
+}
+
+/* The four accumulator tiles of a 32 x 32 block -> its outputs (store_block). */
+static void finish_block(uint16_t *y16, float *y32, int64_t out, int64_t T, int64_t tok0, int64_t f0,
+                         const float *bias) {
+    float c[2][2][16][16] __attribute__((aligned(64)));
+    _tile_stored(0, c[0][0], 64); _tile_stored(1, c[0][1], 64);
+    _tile_stored(2, c[1][0], 64); _tile_stored(3, c[1][1], 64);
+    store_block(c[0], y16, y32, out, T, tok0, f0, bias);
+    store_block(c[1], y16, y32, out, T, tok0 + 16, f0, bias);
 }
 
 /* One block: features f0 .. f0 + 31 times the 32 packed tokens at b0 (tokens tok0 ..). */
 static void product_block(const uint16_t *W, int64_t in, int64_t out, const uint32_t *b0, int64_t T,
                           int64_t tok0, int64_t f0, const float *bias, uint16_t *y) {
-    float c[2][2][16][16] __attribute__((aligned(64)));
     const uint16_t *w0 = W + f0 * in, *w1 = w0 + 16 * in;
     const uint32_t *b1 = b0 + 16 * in / 2;
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
@@ -105,10 +117,7 @@ static void product_block(const uint16_t *W, int64_t in, int64_t out, const uint
         _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 5, 6);
         _tile_dpbf16ps(2, 4, 7); _tile_dpbf16ps(3, 5, 7);
     }
-    _tile_stored(0, c[0][0], 64); _tile_stored(1, c[0][1], 64);
-    _tile_stored(2, c[1][0], 64); _tile_stored(3, c[1][1], 64);
-    store_block(c[0], y, out, T, tok0, f0, bias);
-    store_block(c[1], y, out, T, tok0 + 16, f0, bias);
+    finish_block(y, NULL, out, T, tok0, f0, bias);
 }
 
 /* Tokens g0 .. g0 + 15 of float32 x [T, in] -> the pair-layout B tiles of their two bf16 halves,
@@ -134,28 +143,12 @@ static void pack_tokens_split(const float *x, int64_t T, int64_t in, int64_t g0,
     }
 }
 
-/* As store_block, to float32 rows (no rounding). */
-static void store_block_f32(float c[2][16][16], float *y, int64_t out, int64_t T, int64_t tok0, int64_t f0,
-                            const float *bias) {
-    __m512i lo[16], hi[16];
-    for (int i = 0; i < 16; i++) lo[i] = _mm512_load_si512(c[0][i]), hi[i] = _mm512_load_si512(c[1][i]);
-    transpose16(lo);
-    transpose16(hi);
-    __m512 b0 = bias ? _mm512_loadu_ps(bias + f0) : _mm512_setzero_ps();
-    __m512 b1 = bias ? _mm512_loadu_ps(bias + f0 + 16) : _mm512_setzero_ps();
-    for (int n = 0; n < 16 && tok0 + n < T; n++) {
-        _mm512_storeu_ps(y + (tok0 + n) * out + f0, _mm512_castsi512_ps(lo[n]) + b0);
-        _mm512_storeu_ps(y + (tok0 + n) * out + f0 + 16, _mm512_castsi512_ps(hi[n]) + b1);
-    }
-}
-
 /* One float32 block from three bf16 products: W x = Wh xh + Wl xh + Wh xl (+ Wl xl, below the
  * rest's rounding, dropped). Ordered so that 8 tile loads serve the 12 products: Wl with xh,
  * then Wh over the same xh, then xl under the same Wh. */
 static void product_block_x3(const uint16_t *Wh, const uint16_t *Wl, int64_t in, int64_t out,
                              const uint32_t *bh0, const uint32_t *bl0, int64_t T, int64_t tok0, int64_t f0,
                              const float *bias, float *y) {
-    float c[2][2][16][16] __attribute__((aligned(64)));
     const uint16_t *h0 = Wh + f0 * in, *h1 = h0 + 16 * in, *l0 = Wl + f0 * in, *l1 = l0 + 16 * in;
     const uint32_t *bh1 = bh0 + 16 * in / 2, *bl1 = bl0 + 16 * in / 2;
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
@@ -175,10 +168,7 @@ static void product_block_x3(const uint16_t *Wh, const uint16_t *Wl, int64_t in,
         _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 5, 6);
         _tile_dpbf16ps(2, 4, 7); _tile_dpbf16ps(3, 5, 7);
     }
-    _tile_stored(0, c[0][0], 64); _tile_stored(1, c[0][1], 64);
-    _tile_stored(2, c[1][0], 64); _tile_stored(3, c[1][1], 64);
-    store_block_f32(c[0], y, out, T, tok0, f0, bias);
-    store_block_f32(c[1], y, out, T, tok0 + 16, f0, bias);
+    finish_block(NULL, y, out, T, tok0, f0, bias);
 }
 
 /* How many panels the fblocks feature blocks are cut into for a chunk of tblocks token blocks.
@@ -187,12 +177,53 @@ static void product_block_x3(const uint16_t *Wh, const uint16_t *Wl, int64_t in,
  * PANEL_BYTES, is read from L2 by the item after it. More panels where there would be fewer than
  * four items a thread. Against the earlier order (each feature block over all token blocks), in
  * alternating runs of the four SmolLM2 shapes at 256 and 1024 rows: 3-21 % faster
- * (2026-12-06). */
-static int64_t panel_count(int64_t fblocks, int64_t tblocks, int64_t in, int nt) {
-    int64_t cap = PANEL_BYTES / (64 * in), want = fblocks * tblocks / (4 * nt);
+ * (2026-12-06). row_bytes: one feature's weights (both halves for the split product). */
+static int64_t panel_count(int64_t fblocks, int64_t tblocks, int64_t row_bytes, int nt) {
+    int64_t cap = PANEL_BYTES / (32 * row_bytes), want = fblocks * tblocks / (4 * nt);
     int64_t per = want < cap ? want : cap;
     if (per < 1) per = 1;
     return (fblocks + per - 1) / per;
+}
+
+/* Both products' shared driver: the tokens packed once (bf16 x, or float32 x split into two
+ * halves when Wl is given), then chunks of them in L2, each dealt out as panels of feature blocks
+ * (panel_count). Wl NULL: bf16 x, W, y (y16). Wl given: float32 x and y (y32), W = Wh + Wl. */
+static int64_t tile_gemm(const uint16_t *W, const uint16_t *Wl, const void *x, const float *bias, uint16_t *y16,
+                         float *y32, int64_t T, int64_t in, int64_t out, int64_t nthreads) {
+    if (T < 1 || in < 32 || in % 32 || out < 32 || out % 32 || !amx_enable(1)) return -1;
+    int halves = Wl ? 2 : 1;
+    int64_t padded = (T + 31) / 32 * 32, fblocks = out / 32, half = padded * in / 2;
+    uint32_t *packed = NULL;   /* the tokens' hi (or only) half, then their lo half */
+    if (posix_memalign((void **)&packed, 64, (size_t)(halves * half) * sizeof(uint32_t))) return -2;
+    int nt = nthreads > 0 ? (int)nthreads : omp_get_max_threads();
+    int64_t chunk = CHUNK_BYTES / (2 * halves * in) / 32 * 32;   /* a chunk's packed tokens in L2 */
+    chunk = chunk < 32 ? 32 : chunk;
+    #pragma omp parallel num_threads(nt)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < padded / 16; g++) {
+            uint32_t *p = packed + 16 * g * in / 2;
+            if (Wl) pack_tokens_split((const float *)x, T, in, 16 * g, p, p + half);
+            else pack_tokens((const uint16_t *)x, T, in, 16 * g, p);
+        }
+        amx_configure_square();   /* after the loop's barrier: every token is packed */
+        for (int64_t c0 = 0; c0 < padded; c0 += chunk) {
+            int64_t tblocks = (padded - c0 < chunk ? padded - c0 : chunk) / 32;
+            int64_t panels = panel_count(fblocks, tblocks, 2 * halves * in, nt), per = (fblocks + panels - 1) / panels;
+            #pragma omp for schedule(static) nowait
+            for (int64_t i = 0; i < panels * tblocks; i++) {   /* a panel's blocks for one token block */
+                int64_t tok0 = c0 + i % tblocks * 32, f0 = i / tblocks * per;
+                const uint32_t *p = packed + tok0 * in / 2;
+                for (int64_t f = f0; f < f0 + per && f < fblocks; f++) {
+                    if (Wl) product_block_x3(W, Wl, in, out, p, p + half, T, tok0, f * 32, bias, y32);
+                    else product_block(W, in, out, p, T, tok0, f * 32, bias, y16);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(packed);
+    return 0;
 }
 
 /* Whether this process may use the tiles (asks Linux once). */
@@ -202,66 +233,16 @@ int64_t ms_bf16_gemm_available(void) { return amx_enable(1); }
  * of 32, no tiles), -2 out of memory. nthreads <= 0: the OpenMP default (PyTorch's count). */
 int64_t ms_bf16_gemm(const uint16_t *W, const uint16_t *x, const float *bias, uint16_t *y, int64_t T,
                      int64_t in, int64_t out, int64_t nthreads) {
-    if (T < 1 || in < 32 || in % 32 || out < 32 || out % 32 || !amx_enable(1)) return -1;
-    int64_t padded = (T + 31) / 32 * 32, fblocks = out / 32;
-    uint32_t *packed = NULL;
-    if (posix_memalign((void **)&packed, 64, (size_t)(padded * in / 2) * sizeof(uint32_t))) return -2;
-    int nt = nthreads > 0 ? (int)nthreads : omp_get_max_threads();
-    int64_t chunk = CHUNK_BYTES / (2 * in) / 32 * 32;
-    chunk = chunk < 32 ? 32 : chunk;
-    #pragma omp parallel num_threads(nt)
-    {
-        #pragma omp for schedule(static)
-        for (int64_t g = 0; g < padded / 16; g++) pack_tokens(x, T, in, 16 * g, packed + 16 * g * in / 2);
-        amx_configure_square();   /* after the loop's barrier: every token is packed */
-        for (int64_t c0 = 0; c0 < padded; c0 += chunk) {
-            int64_t tblocks = (padded - c0 < chunk ? padded - c0 : chunk) / 32;
-            int64_t panels = panel_count(fblocks, tblocks, in, nt), per = (fblocks + panels - 1) / panels;
-            #pragma omp for schedule(static) nowait
-            for (int64_t i = 0; i < panels * tblocks; i++) {   /* a panel's blocks for one token block */
-                int64_t tok0 = c0 + i % tblocks * 32, f0 = i / tblocks * per;
-                for (int64_t f = f0; f < f0 + per && f < fblocks; f++)
-                    product_block(W, in, out, packed + tok0 * in / 2, T, tok0, f * 32, bias, y);
-            }
-        }
-        _tile_release();
-    }
-    free(packed);
-    return 0;
+    return tile_gemm(W, NULL, x, bias, y, NULL, T, in, out, nthreads);
 }
+
 /* float32 y = x @ W^T (+ bias) from W's two bf16 halves Wh, Wl (W = Wh + Wl, as x is split in
  * pack_tokens_split): three bf16 products summed in float32, about 16 mantissa bits of each
  * operand where float32 has 24. Returns as ms_bf16_gemm. */
 int64_t ms_bf16x3_gemm(const uint16_t *Wh, const uint16_t *Wl, const float *x, const float *bias, float *y,
                        int64_t T, int64_t in, int64_t out, int64_t nthreads) {
-    if (T < 1 || in < 32 || in % 32 || out < 32 || out % 32 || !amx_enable(1)) return -1;
-    int64_t padded = (T + 31) / 32 * 32, fblocks = out / 32, half = padded * in / 2;
-    uint32_t *packed = NULL;
-    if (posix_memalign((void **)&packed, 64, (size_t)(2 * half) * sizeof(uint32_t))) return -2;
-    int nt = nthreads > 0 ? (int)nthreads : omp_get_max_threads();
-    int64_t chunk = CHUNK_BYTES / (4 * in) / 32 * 32;   /* both halves of a chunk's tokens in L2 */
-    chunk = chunk < 32 ? 32 : chunk;
-    #pragma omp parallel num_threads(nt)
-    {
-        #pragma omp for schedule(static)
-        for (int64_t g = 0; g < padded / 16; g++)
-            pack_tokens_split(x, T, in, 16 * g, packed + 16 * g * in / 2, packed + half + 16 * g * in / 2);
-        amx_configure_square();
-        for (int64_t c0 = 0; c0 < padded; c0 += chunk) {
-            int64_t tblocks = (padded - c0 < chunk ? padded - c0 : chunk) / 32;
-            int64_t panels = panel_count(fblocks, tblocks, 2 * in, nt), per = (fblocks + panels - 1) / panels;
-            #pragma omp for schedule(static) nowait
-            for (int64_t i = 0; i < panels * tblocks; i++) {
-                int64_t tok0 = c0 + i % tblocks * 32, f0 = i / tblocks * per;
-                for (int64_t f = f0; f < f0 + per && f < fblocks; f++)
-                    product_block_x3(Wh, Wl, in, out, packed + tok0 * in / 2, packed + half + tok0 * in / 2,
-                                     T, tok0, f * 32, bias, y);
-            }
-        }
-        _tile_release();
-    }
-    free(packed);
-    return 0;
+    if (!Wl) return -1;
+    return tile_gemm(Wh, Wl, x, bias, NULL, y, T, in, out, nthreads);
 }
 #else
 int64_t ms_bf16_gemm_available(void) { return 0; }
