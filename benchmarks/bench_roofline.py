@@ -227,7 +227,8 @@ def kernel_rates() -> list[dict]:
     """GFLOP/s of the products a step runs, by library: MKL (``F.linear`` on float32), oneDNN on
     the plain float32 weight (minserve/models/gemm.py's choice), oneDNN in bf16, minserve's C (the
     fused decode step's product at decode sizes; the bf16 AMX product, kernels/bf16_gemm.c, at the
-    rows it takes; the prefill attention kernel); and the prefill attention (PyTorch's CPU flash
+    rows it takes, and its float32 split product (fp32_matmul_precision="high"); the prefill
+    attention kernel); and the prefill attention (PyTorch's CPU flash
     SDPA, causal, 1024 tokens, SmolLM2's 9 query / 3 KV heads)."""
     import torch
     import torch.nn.functional as F
@@ -250,11 +251,15 @@ def kernel_rates() -> list[dict]:
         c = flops / _median_time(lambda: c_matmul(x, w)) / 1e9 if c_matmul and m <= 16 else None
         tiles = (flops / _median_time(lambda: bf16_gemm.linear(xb, wb)) / 1e9
                  if bf16_gemm.linear(xb, wb) is not None else None)
+        halves = bf16_gemm.split(w)   # fp32_matmul_precision="high": three bf16 products a float32 one
+        split = (flops / _median_time(lambda: bf16_gemm.split_linear(x, halves)) / 1e9
+                 if bf16_gemm.split_linear(x, halves) is not None else None)
         rows.append({"kernel": f"linear {m}x{k} -> {n}",
                      "MKL fp32": flops / _median_time(lambda: F.linear(x, w)) / 1e9,
                      "oneDNN fp32": flops / _median_time(lambda: onednn(x, w, None, "none", [], "")) / 1e9,
                      bf16_name: flops / _median_time(lambda: bf16_linear(xb, wb)) / 1e9,
-                     "minserve C": c, "minserve bf16 tiles": tiles, "flash SDPA": None,
+                     "minserve C": c, "minserve bf16 tiles": tiles, "minserve fp32 split tiles": split,
+                     "flash SDPA": None,
                      **{name: flops / _median_time(lambda: fn(x, wb)) / 1e9 if fn and m <= 16 else None
                         for name, fn in c_bf16.items()}})
     q, kv = torch.randn(1, 9, 1024, 64), torch.randn(1, 3, 1024, 64)
@@ -270,7 +275,8 @@ def kernel_rates() -> list[dict]:
             c = flops / _median_time(lambda: prefill_attention(qr, kr, kr, 0.125)) / 1e9
         rows.append({"kernel": f"causal attention, 1024 tokens, {str(dtype).replace('torch.', '')}",
                      "MKL fp32": None, "oneDNN fp32": None, bf16_name: None, "minserve C": c,
-                     "minserve bf16 tiles": None, "flash SDPA": flops / t / 1e9, **dict.fromkeys(c_bf16)})
+                     "minserve bf16 tiles": None, "minserve fp32 split tiles": None, "flash SDPA": flops / t / 1e9,
+                     **dict.fromkeys(c_bf16)})
     return rows
 
 

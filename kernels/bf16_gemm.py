@@ -81,8 +81,11 @@ def split_linear(x: torch.Tensor, halves: tuple[torch.Tensor, torch.Tensor],
     """float32 ``x [T, in] @ (hi + lo).T + bias`` -> float32 [T, out] as ``hi xh + lo xh + hi xl``
     on the tiles (x split as :func:`split` splits the weight; ``lo xl`` is below the rest's
     rounding), or None when the kernel does not apply (the rules of :func:`linear`, float32 x, at
-    least ``MIN_ROWS`` rows and no upper bound: at 1024 rows it ran 2.2-2.6x oneDNN's float32 rate).
-    PyTorch documents this algorithm under ``torch.set_float32_matmul_precision("high")``."""
+    least ``MIN_ROWS`` rows and no upper bound). Against MKL's float32 ``F.linear`` over SmolLM2's
+    shapes (benchmarks/bench_roofline.py's kernel table, two runs on the Intel Xeon, 2026-12-06):
+    1.9-2.7x at 1024 rows (once 1.0x, at 576 -> 576), 3.2-3.4x at 64, 1.8-2.3x at 16, 2.1x through
+    the LM head at 16. PyTorch documents this algorithm under
+    ``torch.set_float32_matmul_precision("high")``."""
     hi, lo = halves
     T, out = x.shape[0], hi.shape[0]
     if not (x.dtype is torch.float32 and x.dim() == 2 and T >= MIN_ROWS and x.shape[1] % 32 == 0

@@ -544,7 +544,7 @@ summary = lab.summary("01")
 # - Prefill is bound by arithmetic, batch-1 decode by bytes. Test that on a CPU with AMX: rebuild
 #   the engine with `lab.engine_for(P, enable_prefix_caching=False, fp32_matmul_precision="high")`
 #   (float32 weights kept; products of 16 rows or more run as three bf16 products on the tiles, at
-#   two to three times the float32 rate) and rerun sections 1 and 2. Before you run it, predict
-#   which of the per-token prefill cost and the batch-1 TPOT moves, and what happens at batch 16.
-#   (On a CPU without AMX the setting changes nothing: the engine's log says whether it split the
-#   weights.)
+#   about twice the float32 rate: `benchmarks/bench_roofline.py` measures both) and rerun sections
+#   1 and 2. Before you run it, predict which of the per-token prefill cost and the batch-1 TPOT
+#   moves, and what happens at batch 16. (On a CPU without AMX the setting changes nothing, and the
+#   engine's log says why.)

@@ -26,7 +26,8 @@ call: 0.96-1.9x oneDNN's rate over SmolLM2's products there (kernels/bf16_gemm.p
 
 A float32 engine at ``fp32_matmul_precision="high"`` passes each weight's two bf16 halves too, and
 float32 products of 16 rows or more run as three bf16 products on the AMX tiles
-(kernels/bf16_gemm.py's split_linear: 2.2-2.6x MKL's float32 rate at 1024 rows, ~16 mantissa bits).
+(kernels/bf16_gemm.py's split_linear, ~16 mantissa bits: 1.8-3.4x MKL's float32 rate over SmolLM2's
+products in benchmarks/bench_roofline.py's kernel table, with one 1.0x at 1024 rows of 576 -> 576).
 
 ``MINSERVE_GEMM=torch`` forces ``F.linear`` everywhere (to compare, or where oneDNN misbehaves);
 ``onednn`` uses oneDNN for every 2-D float32 CPU input; ``auto`` (the default) takes oneDNN except on
