@@ -5,8 +5,8 @@ Each step is held to its roofline (minserve/plan/budget.py, the planner's formul
 its bytes over the read bandwidth and its arithmetic over the rate of the arithmetic its format
 multiplies in; the table gives roofline time over measured time and which of the two bounds the
 step. The arithmetic ceiling is the one the row's own rounds measured, since the host's phase
-moves it 2-3x within minutes (host_phase.py): the fp32 FMA rate on every thread for float32, the
-AMX tile rate for the rest where the CPU has tiles (bf16 weights multiply on them, and quantized
+moves it 2-3x within minutes (host_phase.py): the fp32 FMA rate on every thread for float32 (a
+third of the AMX tile rate for fp32-high, fp32_matmul_precision="high"), the AMX tile rate for the rest where the CPU has tiles (bf16 weights multiply on them, and quantized
 weights are expanded to bf16 tiles at prefill sizes, kernels/quant.py), else the bf16 dot-product
 rate measured once. The int8-activation rows (``-a8``) multiply in integer dot products, which
 the probe does not time: only their batch-1 decode, which their bytes bound, gets a share. Both
@@ -20,8 +20,8 @@ import statistics
 
 # Each row's weights and activations as the planner names them (minserve.plan.budget).
 ROW_FORMATS = {"fp32": ("fp32", "float32"), "fp32-high": ("fp32", "float32"), "bf16": ("bf16", "bfloat16"),
-               "int8": ("int8", "float32"),
-               "int4": ("int4", "float32"), "int8-a8": ("int8", "float32"), "int4-a8": ("int4", "float32")}
+               "int8": ("int8", "float32"), "int4": ("int4", "float32"), "int8-a8": ("int8", "float32"),
+               "int4-a8": ("int4", "float32")}
 
 
 def row_format(name: str) -> tuple[str, str]:

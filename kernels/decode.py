@@ -197,20 +197,18 @@ def _weight(name: str, module, out: int, inp: int, bias_ok: bool = False):
     if act_int8 and (fmt in (WEIGHT_F32, WEIGHT_BF16) or inp % A8_BLOCK):
         raise KernelUnavailable(f"{name}: {d.describe()}: int8 activations need a quantized matrix "
                                 f"whose in_features divide into blocks of {A8_BLOCK}")
-    halves = _split_halves(name, module, out, inp) if fmt == WEIGHT_F32 else [None, None]
+    halves = _split_halves(name, d, out, inp) if fmt == WEIGHT_F32 else [None, None]
     w = _Weight(fmt, _void(data, kind), _ptr(scales), _ptr(mins), _ptr(bias), group, act_int8,
                 *[_ptr(h, _bf16p) for h in halves])
     return w, [t for t in (data, scales, mins, bias, *halves) if t is not None]
 
 
-def _split_halves(name: str, module, out: int, inp: int) -> list[torch.Tensor | None]:
-    """A float32 layer's bf16 halves (layers.Linear.split_weight, an engine at
-    fp32_matmul_precision "high"), which the step multiplies on AMX tiles at two rows or more;
-    [None, None] when it keeps none."""
-    halves = getattr(module, "bf16_halves", None)
-    if halves is None:
+def _split_halves(name: str, d, out: int, inp: int) -> list[torch.Tensor | None]:
+    """A float32 descriptor's bf16 halves (an engine at fp32_matmul_precision "high"), which the
+    step multiplies on AMX tiles at two rows or more; [None, None] when it has none."""
+    if d.bf16_halves is None:
         return [None, None]
-    return [_tensor(f"{name}.bf16_halves[{i}]", h, torch.bfloat16, (out, inp)) for i, h in enumerate(halves)]
+    return [_tensor(f"{name}.bf16_halves[{i}]", h, torch.bfloat16, (out, inp)) for i, h in enumerate(d.bf16_halves)]
 
 
 def _kv_layout(kv_caches, cfg) -> tuple[int, tuple[int, int, int, int]]:

@@ -90,7 +90,7 @@ class Linear(nn.Module):
     def descriptor(self) -> WeightDescriptor:
         """What the weight is (format, shapes, tensors), for kernels that bind it directly."""
         return WeightDescriptor(DENSE, self.in_features, self.out_features, self.weight.data,
-                                None if self.bias is None else self.bias.data)
+                                None if self.bias is None else self.bias.data, bf16_halves=self.bf16_halves)
 
     def weight_bytes(self) -> int:
         """Bytes this layer streams from memory per forward pass (the roofline's numerator)."""

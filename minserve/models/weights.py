@@ -34,6 +34,10 @@ class WeightDescriptor:
     # How the input rows meet the weights: "float", or "int8" (quantized on the fly in blocks of
     # 32 and multiplied as integers: W8A8 / W4A8, minserve/quant/activations.py).
     activations: str = "float"
+    # Dense float32 at fp32_matmul_precision "high" (layers.Linear.split_weight): the weight also as
+    # two bf16 halves, which products of many rows multiply on AMX tiles. Not in nbytes: one row
+    # still streams the float32 matrix.
+    bf16_halves: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def dtype(self) -> torch.dtype:

@@ -95,17 +95,17 @@ def model_footprint(model: torch.nn.Module) -> WeightFootprint:
     and its embedding are one table), which includes a dense embedding kept beside an untied
     quantized head, and a float32 layer's bf16 halves (fp32_matmul_precision "high"). Rotary tables
     are position caches, not weights: not counted."""
-    streamed, by_format = 0, {}
+    streamed, by_format, halves = 0, {}, []
     for m in model.modules():
         if callable(getattr(m, "descriptor", None)):
             d = m.descriptor()
             by_format[_label(d)] = by_format.get(_label(d), 0) + d.nbytes
             streamed += d.nbytes
+            halves += d.bf16_halves or ()
     norms = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, RMSNorm))
     rotary = {t.data_ptr() for m in model.modules() if isinstance(m, RotaryEmbedding) for t in m.buffers()}
     storages = {}
-    # plus the bf16 halves a float32 layer keeps at fp32_matmul_precision "high" (layers.Linear)
-    halves = [h for m in model.modules() for h in (getattr(m, "bf16_halves", None) or ())]
+    # plus the bf16 halves a float32 layer keeps at fp32_matmul_precision "high" (its descriptor's)
     for t in list(model.parameters()) + list(model.buffers()) + halves:
         if t.data_ptr() not in rotary and t.numel():
             storages[t.data_ptr()] = t.numel() * t.element_size()
