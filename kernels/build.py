@@ -99,6 +99,13 @@ def source_files(name: str) -> list[Path]:
     return files
 
 
+def vendor_flags() -> list[str]:
+    """Defines that depend on the CPU's maker rather than its features. ``MS_PREFETCH_L2`` on AMD:
+    the software prefetches ahead of the decode step's weight and KV streams go into L2 there
+    (kernels/quant_dot.h's PREFETCH_AHEAD says what that measured)."""
+    return ["-DMS_PREFETCH_L2"] if cpu_info("vendor_id") == "AuthenticAMD" else []
+
+
 def library_path(name: str) -> Path:
     """Where the compiled ``name`` kernel lives (or will live) for this source, compiler and CPU."""
     cc = _compiler()
@@ -107,7 +114,7 @@ def library_path(name: str) -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"the C compiler {cc!r} does not run: {e}") from e
     sources = [p.name.encode() + b"\0" + p.read_bytes() for p in source_files(name)]
-    key = hashlib.sha256(b"\0".join([*sources, " ".join(FLAGS).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([*sources, " ".join(FLAGS + vendor_flags()).encode(), version.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
     return cache_dir() / "kernels" / f"lib{name}-{key}.so"
 
@@ -125,7 +132,7 @@ def build(name: str) -> Path:
         raise KernelUnavailable(f"the kernel cache {out.parent} is read-only and holds no {out.name}; "
                                 "run `minserve prepare` with write access, or set MINSERVE_CACHE")
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.so")  # rename is atomic: no half-written .so
-    cmd = [_compiler(), *FLAGS, str(SOURCE_DIR / f"{name}.c"), "-o", str(tmp), "-lm"]
+    cmd = [_compiler(), *FLAGS, *vendor_flags(), str(SOURCE_DIR / f"{name}.c"), "-o", str(tmp), "-lm"]
     # Said before it starts: a first engine otherwise sits silent for decode.c's ~20 s.
     logging.getLogger("minserve").info("compiling the %s kernel for this CPU into %s (once per machine "
                                        "and source; decode takes ~20 s) ...", name, out.parent)

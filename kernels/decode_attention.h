@@ -60,7 +60,7 @@ static void write_kv(const ModelPtrs *m, const LayerPtrs *L, int64_t slot, const
 #define KV_PREFETCH_KEYS 8
 
 static inline void prefetch_span(const char *p, int64_t bytes) {   /* every cache line of it */
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+    for (int64_t off = 0; off < bytes; off += 64) PREFETCH_AHEAD(p + off);
 }
 
 /* The query heads that share a kv head (GQA: SmolLM2-135M has 3 per kv head) attend together:

@@ -148,7 +148,7 @@ def _cpu_flags() -> list[str]:
 def kernel_info() -> dict:
     """How the C kernels are (or would be) built here: kernels/build.py's compiler and flags."""
     from minserve.kernels import build
-    out: dict = {"isa": _cpu_flags(), "flags": list(build.FLAGS)}
+    out: dict = {"isa": _cpu_flags(), "flags": list(build.FLAGS) + build.vendor_flags()}
     try:
         cc = build._compiler()
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
