@@ -189,6 +189,19 @@ def test_kernel_build_is_cached_and_keyed_by_flags(tmp_path, monkeypatch):
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]  # no temp files left
 
 
+@pytest.mark.parametrize("vendor,flags", [("AuthenticAMD", ["-DMS_PREFETCH_L2"]), ("GenuineIntel", []), ("", [])])
+def test_kernels_are_built_for_the_cpus_maker(monkeypatch, vendor, flags):
+    """AMD gets its prefetches into L2 (quant_dot.h's PREFETCH_AHEAD), everyone else into L1; the
+    define is part of the build's key, so one cache shared by two makers holds two binaries."""
+    real_info = kernel_build.cpu_info
+    monkeypatch.setattr(kernel_build, "cpu_info",
+                        lambda *fields: vendor if fields == ("vendor_id",) else real_info(*fields))
+    assert kernel_build.vendor_flags() == flags
+    key = kernel_build.library_path("token_ops")
+    monkeypatch.setattr(kernel_build, "vendor_flags", lambda: flags + ["-DMINSERVE_TEST_FLAG"])
+    assert kernel_build.library_path("token_ops") != key
+
+
 def test_missing_compiler_or_unwritable_cache_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("MINSERVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
