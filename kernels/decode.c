@@ -196,18 +196,6 @@ static inline vf8 dvec_int8(const int8_t *p) {   /* 8 int8 codes -> 8 floats */
 #define dvec_store(p, v) _mm256_storeu_ps((p), (__m256)(v))
 #endif
 
-/* Keeps an input vector in a register for the rb multiply-adds that use it. Left to itself, GCC 12
- * folds the load into each FMA (a memory operand) to free a register, so a 4 x 6 block made 28
- * loads per 24 FMAs and was bound by the load ports: on the Zen 4 EPYC (2026-12-06, one thread, a
- * 192 x 576 weight in L2, ms_matmul) 16 rows ran at 70 GFLOP/s, 89 with this, of ~115 the FMA
- * units allow. The empty asm says "this register's value may have changed", so GCC cannot reload
- * it from memory. Same instructions otherwise, same sums. */
-#if DVEC_LANES == 16 && defined(__x86_64__)
-#define DVEC_IN_REGISTER(v) __asm__("" : "+v"(v))
-#else
-#define DVEC_IN_REGISTER(v) ((void)0)
-#endif
-
 /* pf: what to prefetch, in bytes past each weight vector as it is read (0: nothing); see
  * dense_matmul. */
 static inline __attribute__((always_inline)) void
@@ -228,7 +216,10 @@ dot_block(const void *restrict W, int64_t in, int64_t r, const float *restrict x
         }
         for (int b = 0; b < nb; b++) {
             dvec xv = dvec_load(x + b * ldx + i);
-            DVEC_IN_REGISTER(xv);
+            /* quant_dot.h's IN_REGISTER: GCC otherwise folds this load into each of the rb FMAs,
+             * 28 loads per 24 FMAs, bound by the load ports (Zen 4 EPYC, 2026-12-06, one thread, a
+             * 192 x 576 weight in L2: 16 rows 70 -> 89 GFLOP/s; the 16-row step 46 -> 33 ms) */
+            IN_REGISTER(xv);
             for (int k = 0; k < rb; k++) acc[k][b] = dvec_fma(acc[k][b], wv[k], xv);
         }
     }
