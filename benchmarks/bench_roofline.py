@@ -194,10 +194,15 @@ def _c_matmul():
     return lambda x, w: run(x, w, torch.empty(x.shape[0], w.shape[0]))
 
 
-def _c_bf16_matmul(tiles: bool):
+C_BF16_KINDS = ("widened", "dot", "tiles")
+
+
+def _c_bf16_matmul(kind: str):
     """decode.c's product for a bfloat16 weight (the fused step's, dtype="bfloat16"), as
-    fn(x, w_bf16) -> y: on AMX tiles where the CPU has them (``tiles``), else the vector loop that
-    widens each weight to float32; None without a compiler, or for tiles where there are none."""
+    fn(x, w_bf16) -> y, by ``kind``: "widened" (each weight widened to float32, float32 inputs: the
+    one-row loop), "dot" (AVX-512 BF16 dot products, inputs rounded to bf16: two rows or more on a
+    CPU with them) or "tiles" (AMX, inputs split in two bf16 halves: two rows or more where the CPU
+    has tiles, before the dot products). None without a compiler, or for a kind this CPU lacks."""
     import ctypes
 
     import torch
@@ -208,17 +213,19 @@ def _c_bf16_matmul(tiles: bool):
     except KernelUnavailable:
         return None
     lib.ms_weight_matmul.restype = ctypes.c_int64
-    if tiles and not lib.ms_amx(1):
+    if (kind == "tiles" and not lib.ms_amx(1)) or (kind == "dot" and not lib.ms_bf16_dot(1)):
         return None
 
     def run(x, w):
-        lib.ms_amx(int(tiles))
+        lib.ms_amx(int(kind == "tiles"))
+        lib.ms_bf16_dot(int(kind == "dot"))
         y, xs = torch.empty(x.shape[0], w.shape[0]), torch.empty(x.shape[0] * (x.shape[1] + 1))
         desc = _Weight(WEIGHT_BF16, ctypes.c_void_p(w.data_ptr()), None, None, None, 0, 0)
         lib.ms_weight_matmul(ctypes.byref(desc), *(ctypes.c_void_p(t.data_ptr()) for t in (x, xs, y)),
                              ctypes.c_int64(x.shape[0]), ctypes.c_int64(x.shape[1]),
                              ctypes.c_int64(w.shape[0]), ctypes.c_int(0))
-        lib.ms_amx(1)   # the default again
+        lib.ms_amx(1)   # the defaults again
+        lib.ms_bf16_dot(1)
         return y
     return run
 
@@ -237,7 +244,7 @@ def kernel_rates() -> list[dict]:
     from minserve.models import gemm
     onednn = torch.ops.mkldnn._linear_pointwise
     c_matmul = _c_matmul()
-    c_bf16 = {"minserve C bf16, vector": _c_bf16_matmul(False), "minserve C bf16, AMX": _c_bf16_matmul(True)}
+    c_bf16 = {f"minserve C bf16, {kind}": _c_bf16_matmul(kind) for kind in C_BF16_KINDS}
     # Where bf16 is emulated (~1 GFLOP/s), time what a bf16 engine runs there instead: gemm.linear's
     # float32 tiles.
     bf16_name, bf16_linear = (("oneDNN bf16", F.linear) if gemm.native_bf16()

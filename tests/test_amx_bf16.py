@@ -36,6 +36,7 @@ def amx():
         pytest.skip("this CPU (or build) has no AMX bf16 tiles")
     yield lib
     lib.ms_amx(1)
+    lib.ms_bf16_dot(1)
 
 
 def _matmul(lib, W, x, bias=None, y=None, accumulate=0):
@@ -122,14 +123,15 @@ def test_a_bfloat16_batch_on_tiles_matches_the_vector_loop(amx):
         for t, s in zip(kv, saved):
             t.copy_(s)
     amx.ms_amx(0)
+    amx.ms_bf16_dot(0)   # the widening loop, not the dot products (tests/test_bf16_dot.py)
     vector = fused(ids, pos, tables, rows)
     torch.testing.assert_close(tiles, vector, rtol=0, atol=2 ** -10 * vector.abs().max().item())
     assert torch.equal(tiles.argmax(-1), vector.argmax(-1))
 
 
 def test_the_roofline_benchmark_times_the_real_products():
-    """benchmarks/bench_roofline.py's bf16 columns time this product (so their GFLOP/s are honest),
-    and leave the tiles at their default (on) afterwards."""
+    """benchmarks/bench_roofline.py's bf16 columns time these products (so their GFLOP/s are
+    honest), and leave the tiles and the dot products at their default (on) afterwards."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -138,11 +140,16 @@ def test_the_roofline_benchmark_times_the_real_products():
     x, w = torch.randn(16, 64, generator=g), torch.randn(48, 64, generator=g).bfloat16()
     want = x.double() @ w.double().T
     scale = x.double().abs() @ w.double().abs().T
-    tiled = _c_bf16_matmul(True)
-    for fn in (_c_bf16_matmul(False), tiled):
+    tiled, dotted = _c_bf16_matmul("tiles"), _c_bf16_matmul("dot")
+    for fn in (_c_bf16_matmul("widened"), tiled):
         if fn is not None:
             assert ((fn(x, w).double() - want).abs() <= (2.0 ** -18 + 64 * 2.0 ** -24) * scale).all()
+    if dotted is not None:   # each input rounded to bf16 first: against that rounding
+        xb = x.bfloat16().double()
+        err = (dotted(x, w).double() - xb @ w.double().T).abs()
+        assert (err <= 64 * 2.0 ** -24 * (xb.abs() @ w.double().abs().T)).all()
     assert bool(_lib().ms_amx(1)) == (tiled is not None)
+    assert bool(_lib().ms_bf16_dot(1)) == (dotted is not None)
 
 
 def test_the_environment_switch_turns_the_tiles_off(monkeypatch):
