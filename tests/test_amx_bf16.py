@@ -75,58 +75,76 @@ def test_the_tiles_are_used_exactly_where_the_cpu_has_them():
 SHAPES = [(2, 64, 32), (16, 576, 960), (5, 96, 40), (23, 128, 48), (16, 1536, 576)]
 
 
-@pytest.mark.parametrize("rows,n_in,out", SHAPES)
-def test_tile_products_keep_float32_inputs(amx, rows, n_in, out):
-    """x = hi + lo in bf16 keeps x to 2^-18 relative (two roundings to 8 bits); the bf16 x bf16
-    products are exact in float32, and their float32 sums round at most n_in times: per output,
-    |error| <= (2^-18 + n_in * 2^-24) * sum |x| |W|."""
+def assert_product_within(lib, rows, n_in, out, reference_input, input_bound):
+    """One bf16 product of ``rows`` inputs against float64 on ``reference_input(x)`` (the inputs as
+    the kernel multiplies them): bf16 x bf16 products are exact in float32 and the float32 sums
+    round at most n_in times, so per output |error| <= (input_bound + n_in * 2^-24) * sum |x| |W|.
+    With a bias, and again as the residual add (y += x @ W.T)."""
     g = torch.Generator().manual_seed(rows * 1000 + n_in)
     W = torch.randn(out, n_in, generator=g).to(torch.bfloat16)
     x, bias = torch.randn(rows, n_in, generator=g), torch.randn(out, generator=g)
-    want = x.double() @ W.double().T
-    scale = x.double().abs() @ W.double().abs().T
-    bound = (2.0 ** -18 + n_in * 2.0 ** -24) * scale
-    got = _matmul(amx, W, x, bias=bias)
+    xr = reference_input(x).double()
+    want = xr @ W.double().T
+    bound = (input_bound + n_in * 2.0 ** -24) * (xr.abs() @ W.double().abs().T)
+    got = _matmul(lib, W, x, bias=bias)
     assert ((got.double() - bias.double() - want).abs() <= bound + 2.0 ** -24 * bias.abs().double()).all()
     y0 = torch.randn(rows, out, generator=g)
-    acc = _matmul(amx, W, x, y=y0, accumulate=1)   # the residual add: y += x @ W.T
+    acc = _matmul(lib, W, x, y=y0, accumulate=1)
     assert ((acc.double() - y0.double() - want).abs() <= bound + 2.0 ** -24 * y0.abs().double() * 2).all()
 
 
-def test_a_rows_tile_results_do_not_depend_on_the_other_rows(amx):
-    """Each input row is its own column of the tile product: with 2 or 23 rows beside it, a row's
-    outputs are bit for bit the same."""
+@pytest.mark.parametrize("rows,n_in,out", SHAPES)
+def test_tile_products_keep_float32_inputs(amx, rows, n_in, out):
+    """x = hi + lo in bf16 keeps x to 2^-18 relative (two roundings to 8 bits)."""
+    assert_product_within(amx, rows, n_in, out, lambda x: x, 2.0 ** -18)
+
+
+def assert_rows_independent(lib):
+    """With 2 or 23 rows beside it, a row's outputs are bit for bit the same."""
     g = torch.Generator().manual_seed(7)
     W = torch.randn(48, 128, generator=g).to(torch.bfloat16)
     x = torch.randn(23, 128, generator=g)
-    together = _matmul(amx, W, x)
-    assert torch.equal(_matmul(amx, W, x[[3, 20]]), together[[3, 20]])
-    assert torch.equal(_matmul(amx, W, x[:16]), together[:16])
+    together = _matmul(lib, W, x)
+    assert torch.equal(_matmul(lib, W, x[[3, 20]]), together[[3, 20]])
+    assert torch.equal(_matmul(lib, W, x[:16]), together[:16])
+
+
+def test_a_rows_tile_results_do_not_depend_on_the_other_rows(amx):
+    """Each input row is its own column of the tile product."""
+    assert_rows_independent(amx)
 
 
 def test_a_bfloat16_batch_on_tiles_matches_the_vector_loop(amx):
     """A whole bf16 model step of 12 rows (tiny-llama: every width a multiple of 32), with and
     without the tiles: the inputs differ by at most 2^-18 relative, so the logits by a small
     fraction of one bf16 step of the largest, and the greedy tokens not at all."""
+    def before(fused):
+        assert fused.uses_amx
+    tiles, vector = bf16_step_twice(before, lambda: (amx.ms_amx(0), amx.ms_bf16_dot(0)))
+    torch.testing.assert_close(tiles, vector, rtol=0, atol=2 ** -10 * vector.abs().max().item())
+    assert torch.equal(tiles.argmax(-1), vector.argmax(-1))
+
+
+def bf16_step_twice(before, between):
+    """A whole bf16 model step of 12 rows (tiny-llama: every width a multiple of 32), run twice from
+    the same KV cache: ``before(fused)`` once the step is built (it turns the tiles on where the CPU
+    has them), ``between()`` between the two runs; returns both steps' logits."""
     llm = LLM("tiny-llama", num_kv_blocks=16, dtype="bfloat16", fused_decode=True, device="cpu")
     runner = llm.llm_engine.runner
     fused = FusedDecoder(runner.model, runner.kv_caches, max_rows=12)
-    assert fused.uses_amx
+    before(fused)
     ids = torch.arange(300, 312)
     pos = torch.tensor([3, 20, 5, 7, 1, 0, 9, 30, 2, 4, 11, 6])
     tables = torch.arange(12).remainder(8).mul(2).unsqueeze(1).repeat(1, 2)
     tables[:, 1] += 1
     rows = torch.arange(12)
     snapshot = [tuple(t.clone() for t in kv) for kv in runner.kv_caches]
-    tiles = fused(ids, pos, tables, rows)
+    first = fused(ids, pos, tables, rows)
     for kv, saved in zip(runner.kv_caches, snapshot):   # the same cache before the second step
         for t, s in zip(kv, saved):
             t.copy_(s)
-    amx.ms_amx(0)
-    amx.ms_bf16_dot(0)   # the widening loop, not the dot products (tests/test_bf16_dot.py)
-    vector = fused(ids, pos, tables, rows)
-    torch.testing.assert_close(tiles, vector, rtol=0, atol=2 ** -10 * vector.abs().max().item())
-    assert torch.equal(tiles.argmax(-1), vector.argmax(-1))
+    between()
+    return first, fused(ids, pos, tables, rows)
 
 
 def test_the_roofline_benchmark_times_the_real_products():

@@ -13,11 +13,9 @@ import subprocess
 import pytest
 import torch
 
-from minserve import LLM
 from minserve.kernels.build import cpu_flags
-from minserve.kernels.decode import FusedDecoder
 
-from test_amx_bf16 import _lib, _matmul
+from test_amx_bf16 import _lib, _matmul, assert_product_within, assert_rows_independent, bf16_step_twice
 
 pytestmark = [pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                  reason="no C compiler: the fused decode kernel cannot be built"),
@@ -59,19 +57,8 @@ SHAPES = [(2, 64, 32), (16, 576, 960), (5, 100, 42), (23, 128, 48), (16, 1536, 5
 
 @pytest.mark.parametrize("rows,n_in,out", SHAPES)
 def test_dot_products_round_each_input_once(dot, rows, n_in, out):
-    """Against float64 on the bf16-rounded inputs: bf16 x bf16 products are exact in float32 and
-    the sums round at most n_in times, so |error| <= n_in * 2^-24 * sum |xb| |W| per output."""
-    g = torch.Generator().manual_seed(rows * 1000 + n_in)
-    W = torch.randn(out, n_in, generator=g).to(torch.bfloat16)
-    x, bias = torch.randn(rows, n_in, generator=g), torch.randn(out, generator=g)
-    xb = x.to(torch.bfloat16).double()
-    want = xb @ W.double().T
-    bound = n_in * 2.0 ** -24 * (xb.abs() @ W.double().abs().T)
-    got = _matmul(dot, W, x, bias=bias)
-    assert ((got.double() - bias.double() - want).abs() <= bound + 2.0 ** -24 * bias.abs().double()).all()
-    y0 = torch.randn(rows, out, generator=g)
-    acc = _matmul(dot, W, x, y=y0, accumulate=1)   # the residual add: y += x @ W.T
-    assert ((acc.double() - y0.double() - want).abs() <= bound + 2.0 ** -23 * y0.abs().double()).all()
+    """Against float64 on the bf16-rounded inputs: no error from the inputs beyond that rounding."""
+    assert_product_within(dot, rows, n_in, out, lambda x: x.to(torch.bfloat16), 0.0)
 
 
 def test_one_row_keeps_its_float32_input(dot):
@@ -87,34 +74,15 @@ def test_one_row_keeps_its_float32_input(dot):
 
 def test_a_rows_results_do_not_depend_on_the_other_rows(dot):
     """Each (weight row, input row) pair sums in the same order whatever the rows beside it."""
-    g = torch.Generator().manual_seed(7)
-    W = torch.randn(48, 128, generator=g).to(torch.bfloat16)
-    x = torch.randn(23, 128, generator=g)
-    together = _matmul(dot, W, x)
-    assert torch.equal(_matmul(dot, W, x[[3, 20]]), together[[3, 20]])
-    assert torch.equal(_matmul(dot, W, x[:16]), together[:16])
+    assert_rows_independent(dot)
 
 
 def test_a_bfloat16_batch_on_dot_products_stays_near_the_widening_loop(dot):
-    """A whole bf16 model step of 12 rows (tiny-llama), with the dot products and with the widening
-    loop: each product's input differs by bf16's rounding (2^-9 relative), so the logits by a few bf16
-    steps of the largest, and the greedy tokens not at all."""
-    llm = LLM("tiny-llama", num_kv_blocks=16, dtype="bfloat16", fused_decode=True, device="cpu")
-    runner = llm.llm_engine.runner
-    fused = FusedDecoder(runner.model, runner.kv_caches, max_rows=12)
-    dot.ms_amx(0)   # FusedDecoder turned the tiles back on where the CPU has them
-    ids = torch.arange(300, 312)
-    pos = torch.tensor([3, 20, 5, 7, 1, 0, 9, 30, 2, 4, 11, 6])
-    tables = torch.arange(12).remainder(8).mul(2).unsqueeze(1).repeat(1, 2)
-    tables[:, 1] += 1
-    rows = torch.arange(12)
-    snapshot = [tuple(t.clone() for t in kv) for kv in runner.kv_caches]
-    dotted = fused(ids, pos, tables, rows)
-    for kv, saved in zip(runner.kv_caches, snapshot):   # the same cache before the second step
-        for t, s in zip(kv, saved):
-            t.copy_(s)
-    dot.ms_bf16_dot(0)
-    widened = fused(ids, pos, tables, rows)
+    """A whole bf16 model step of 12 rows, with the dot products (the tiles off: they come first
+    where the CPU has them) and with the widening loop: each product's input differs by bf16's
+    rounding (2^-9 relative), so the logits by a few bf16 steps of the largest, and the greedy
+    tokens not at all."""
+    dotted, widened = bf16_step_twice(lambda fused: dot.ms_amx(0), lambda: dot.ms_bf16_dot(0))
     assert not torch.equal(dotted, widened)   # the inputs were rounded
     torch.testing.assert_close(dotted, widened, rtol=0, atol=2 ** -6 * widened.abs().max().item())
     assert torch.equal(dotted.argmax(-1), widened.argmax(-1))
