@@ -20,7 +20,8 @@
  * - each weight matrix is [out_features, in_features], q/k/v and gate/up fused as in llama.py, in
  *   its own format (a Weight): row-major fp32 or bf16 (a dtype="bfloat16" model: widened in
  *   registers, exactly, so the step computes in fp32; with two or more rows on an AMX CPU, tiles
- *   multiply the weights by each input split in two bf16 halves, amx_bf16.h), or int8 / int4 in minserve/quant/formats.py's
+ *   multiply the weights by each input split in two bf16 halves, amx_bf16.h, and without tiles AVX-512
+ *   BF16 dot products by each input rounded to bf16, dp_block), or int8 / int4 in minserve/quant/formats.py's
  *   layouts, multiplied with the dequantization in the weight stream (quant_dot.h, shared with
  *   quant.c). Fewer bytes per weight is the whole point at batch 1: the step is a weight stream;
  * - the KV cache of a layer is [num_blocks, block_size, kv_heads, head_dim], addressed through
@@ -273,9 +274,9 @@ static void round_to_bf16(const float *x, uint16_t *xb, int64_t n) {
                                                                  _mm512_loadu_ps(x + i)));
     for (; i < n; i++) xb[i] = float_to_bf16(x[i]);
 }
-#endif
 
 static int bf16_dot_on = 1;   /* ms_bf16_dot */
+#endif
 
 /* The product a pass over a tile runs: float32 weights, bf16 weights widened to float32 in
  * registers, or bf16 weights times bf16-rounded inputs on dot products (dp_block). */
@@ -320,7 +321,8 @@ dot_rows(const void *restrict W, int64_t in, int64_t r0, int64_t r1, const void 
 
 /* y[B, out] = x[B, in] @ W.T (+ bias), or y += that when accumulate (the residual add for free),
  * for a float32 W, or a bfloat16 one (bf16: widened in registers as it streams in, half the bytes;
- * the sums stay float32). Threads split the output rows; a row tile is re-read from cache for every group
+ * the sums stay float32; two or more rows go to AMX tiles or, without them, to dp_block's dot
+ * products, the inputs rounded to bf16 in xs first). Threads split the output rows; a row tile is re-read from cache for every group
  * of DENSE_BATCH_PASS inputs, so DRAM sees each weight once per step whatever the batch. Returns
  * the team size. */
 static int64_t dense_matmul(const void *W, const float *bias, const float *x, float *xs, float *y,

@@ -23,7 +23,9 @@ per layer, or ``kv_cache_dtype="int8"``'s ``(key codes, value codes, key scales,
 written and read in place (quantized on write exactly as kernels/triton/reference.py does).
 bfloat16 weights (``dtype="bfloat16"``) are widened to float32 as they stream in; a step of several
 rows multiplies them on AMX tiles where the CPU has them (kernels/amx_bf16.h; ``MINSERVE_AMX=off``
-keeps the vector loop). float16 and GPUs keep using the PyTorch path.
+turns them off), else on AVX-512 BF16 dot products with each input rounded to bf16 (decode.c's
+dp_block, ``ms_bf16_dot``), else in the widening vector loop. float16 and GPUs keep using the
+PyTorch path.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def test_code_kernels_and_hardware(inprocess_result):
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert m["minserve"]["version"] == minserve.__version__ and m["minserve"]["git_commit"] == head
     assert isinstance(m["minserve"]["git_dirty"], bool)
-    assert m["kernels"]["flags"] == build.FLAGS and m["kernels"]["compiler"]
+    assert m["kernels"]["flags"] == build.FLAGS + build.vendor_flags() and m["kernels"]["compiler"]
     cpuinfo = Path("/proc/cpuinfo").read_text()
     assert ("avx2" in m["kernels"]["isa"]) == (" avx2" in cpuinfo)
     hw = m["hardware"]
