@@ -24,7 +24,7 @@ written and read in place (quantized on write exactly as kernels/triton/referenc
 bfloat16 weights (``dtype="bfloat16"``) are widened to float32 as they stream in; a step of several
 rows multiplies them on AMX tiles where the CPU has them (kernels/amx_bf16.h; ``MINSERVE_AMX=off``
 turns them off), else on AVX-512 BF16 dot products with each input rounded to bf16 (decode.c's
-dp_block, ``ms_bf16_dot``), else in the widening vector loop. float16 and GPUs keep using the
+dp_block; ``MINSERVE_BF16_DOT=off`` turns them off), else in the widening vector loop. float16 and GPUs keep using the
 PyTorch path.
 """
 
@@ -86,6 +86,13 @@ def amx_wanted() -> bool:
     """``MINSERVE_AMX``: "auto" (default: AMX tiles for bf16 weights where the CPU has them) or
     "off"; anything else is an error."""
     return env_choice("MINSERVE_AMX", ("auto", "off")) == "auto"
+
+
+def bf16_dot_wanted() -> bool:
+    """``MINSERVE_BF16_DOT``: "auto" (default: AVX-512 BF16 dot products, each input rounded to bf16,
+    for bf16 weights times two or more rows where the CPU has them and no tiles are in use) or "off"
+    (the widening loop: float32 inputs); anything else is an error."""
+    return env_choice("MINSERVE_BF16_DOT", ("auto", "off")) == "auto"
 
 
 def _ptr(t: torch.Tensor | None, kind=_f32p):
@@ -327,9 +334,11 @@ class FusedDecoder:
         self._lib = load("decode")
         self.library_name = self._lib._name
         self._lib.ms_decode_step.restype = _I64
-        # bf16 weights times several rows on AMX tiles where the CPU has them (amx_bf16.h);
-        # MINSERVE_AMX=off keeps the vector loop. A process-wide switch, as the library is one.
+        # bf16 weights times several rows on AMX tiles where the CPU has them (amx_bf16.h), else on
+        # AVX-512 BF16 dot products (decode.c's dp_block); MINSERVE_AMX=off / MINSERVE_BF16_DOT=off
+        # turn each off. Process-wide switches, as the library is one.
         self.uses_amx = bool(self._lib.ms_amx(ctypes.c_int(amx_wanted())))
+        self.uses_bf16_dot = bool(self._lib.ms_bf16_dot(ctypes.c_int(bf16_dot_wanted()))) and not self.uses_amx
         self.last_team_size = 0   # OpenMP threads that ran the last step (the kernel reports it)
         self.max_rows, self._decode_only = limit, max_rows is None
         self._blocks, self._positions = kv_caches[0][0].shape[0], model.rotary.cos.shape[0]

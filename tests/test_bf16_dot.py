@@ -13,7 +13,9 @@ import subprocess
 import pytest
 import torch
 
+from minserve import LLM
 from minserve.kernels.build import cpu_flags
+from minserve.kernels.decode import FusedDecoder
 
 from test_amx_bf16 import _lib, _matmul, assert_product_within, assert_rows_independent, bf16_step_twice
 
@@ -86,3 +88,25 @@ def test_a_bfloat16_batch_on_dot_products_stays_near_the_widening_loop(dot):
     assert not torch.equal(dotted, widened)   # the inputs were rounded
     torch.testing.assert_close(dotted, widened, rtol=0, atol=2 ** -6 * widened.abs().max().item())
     assert torch.equal(dotted.argmax(-1), widened.argmax(-1))
+
+
+def test_the_environment_switch_turns_the_dot_products_off(monkeypatch):
+    """MINSERVE_BF16_DOT=off: two rows keep their float32 inputs (the widening loop's bound, which
+    the rounded inputs miss); a misspelt value is refused; unset, the dot products are used exactly
+    where the CPU has them (the tiles off: they come first)."""
+    llm = LLM("tiny-llama", num_kv_blocks=8, dtype="bfloat16", fused_decode=True, device="cpu")
+    runner = llm.llm_engine.runner
+    monkeypatch.setenv("MINSERVE_AMX", "off")
+    try:
+        monkeypatch.setenv("MINSERVE_BF16_DOT", "off")
+        assert FusedDecoder(runner.model, runner.kv_caches, max_rows=4).uses_bf16_dot is False
+        assert_product_within(_lib(), 2, 64, 32, lambda x: x, 0.0)
+        monkeypatch.setenv("MINSERVE_BF16_DOT", "fast")
+        with pytest.raises(ValueError, match="MINSERVE_BF16_DOT must be one of auto, off"):
+            FusedDecoder(runner.model, runner.kv_caches, max_rows=4)
+        monkeypatch.delenv("MINSERVE_BF16_DOT")
+        expected = "avx512_bf16" in cpu_flags() and _compiler_has_bf16_dot()
+        assert FusedDecoder(runner.model, runner.kv_caches, max_rows=4).uses_bf16_dot is expected
+    finally:
+        _lib().ms_amx(1)
+        _lib().ms_bf16_dot(1)
