@@ -269,9 +269,7 @@ dp_block(const uint16_t *restrict W, int64_t in, int64_t r, const uint16_t *rest
 /* x [n floats] -> bf16, rounded to nearest even (as PyTorch's .to(torch.bfloat16)). */
 static void round_to_bf16(const float *x, uint16_t *xb, int64_t n) {
     int64_t i = 0;
-    for (; i + 32 <= n; i += 32)   /* cvtne2ps: the second operand fills the low 16 */
-        _mm512_storeu_si512(xb + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16),
-                                                                 _mm512_loadu_ps(x + i)));
+    for (; i + 16 <= n; i += 16) store_bf16x16(xb + i, dvec_load(x + i));
     for (; i < n; i++) xb[i] = float_to_bf16(x[i]);
 }
 

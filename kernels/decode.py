@@ -24,8 +24,8 @@ written and read in place (quantized on write exactly as kernels/triton/referenc
 bfloat16 weights (``dtype="bfloat16"``) are widened to float32 as they stream in; a step of several
 rows multiplies them on AMX tiles where the CPU has them (kernels/amx_bf16.h; ``MINSERVE_AMX=off``
 turns them off), else on AVX-512 BF16 dot products with each input rounded to bf16 (decode.c's
-dp_block; ``MINSERVE_BF16_DOT=off`` turns them off), else in the widening vector loop. float16 and GPUs keep using the
-PyTorch path.
+dp_block; ``MINSERVE_BF16_DOT=off`` turns them off), else in the widening vector loop. float16 and
+GPUs keep using the PyTorch path.
 """
 
 from __future__ import annotations
