@@ -219,7 +219,9 @@ dot_block(const void *restrict W, int64_t in, int64_t r, const float *restrict x
             dvec xv = dvec_load(x + b * ldx + i);
             /* quant_dot.h's IN_REGISTER: GCC otherwise folds this load into each of the rb FMAs,
              * 28 loads per 24 FMAs, bound by the load ports (Zen 4 EPYC, 2026-12-06, one thread, a
-             * 192 x 576 weight in L2: 16 rows 70 -> 89 GFLOP/s; the 16-row step 46 -> 33 ms) */
+             * 192 x 576 weight in L2: 16 rows 70 -> 89 GFLOP/s in a scratch ms_matmul loop; the
+             * 16-row step 46 -> 33 ms; benchmarks/bench_roofline.py's kernel table afterwards:
+             * 173-193 GFLOP/s at 16 rows on two threads, oneDNN 139-147) */
             IN_REGISTER(xv);
             for (int k = 0; k < rb; k++) acc[k][b] = dvec_fma(acc[k][b], wv[k], xv);
         }
@@ -237,7 +239,8 @@ dot_block(const void *restrict W, int64_t in, int64_t r, const float *restrict x
  * products: one vdpbf16ps multiplies 32 weights by 32 inputs (exact bf16 x bf16 products, float32
  * sums), where the widening loop needs two conversions and two FMAs; per instruction the same rate
  * on the Zen 4 EPYC (bench_roofline.py: bf16 dot 469, fp32 FMA 234 GFLOP/s), so twice the
- * multiply-adds (a 4 x 6 block in L2, one thread: 186 against 103 GFLOP/s, 2026-12-06). */
+ * multiply-adds. bench_roofline.py's kernel table there (2026-12-06, 16 rows, two threads): 286-325
+ * GFLOP/s against the widening loop's 176-198 and oneDNN bf16's 235-247. */
 static inline __attribute__((always_inline)) void
 dp_block(const uint16_t *restrict W, int64_t in, int64_t r, const uint16_t *restrict xb, int64_t ldx,
          float *restrict y, int64_t ldy, const int rb, const int nb, int accumulate, int64_t pf) {
