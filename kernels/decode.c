@@ -34,6 +34,7 @@
 #define _POSIX_C_SOURCE 199309L   /* clock_gettime under -std=c11 */
 #define _DEFAULT_SOURCE           /* syscall (amx_bf16.h asks Linux for the AMX tile state) */
 #include <math.h>
+#include <stdlib.h>   /* malloc in decode_attention.h (AVX builds got it through immintrin.h) */
 #include <string.h>
 #include <time.h>
 
@@ -363,13 +364,14 @@ static int64_t dense_matmul(const void *W, const float *bias, const float *x, fl
                     pf = bf16 ? PREFETCH_BYTES_BF16 : B == 1 ? PREFETCH_BYTES_F32_ONE_ROW : PREFETCH_BYTES_F32;
                 else if (b == DENSE_BATCH_PASS && t + 1 < tiles) pf = ROW_TILE * in * elt;
                 /* a constant nb and format per case: the loops unroll into registers */
-#define CASE(n) case n: if (kind == DOT_BF16_DP) dot_rows(W, in, r0, r1, xb, in, yb, out, n, accumulate, DOT_BF16_DP, pf); \
+#define CASE(n) case n: { if (kind == DOT_BF16_DP) dot_rows(W, in, r0, r1, xb, in, yb, out, n, accumulate, DOT_BF16_DP, pf); \
                         else if (kind == DOT_BF16) dot_rows(W, in, r0, r1, xb, in, yb, out, n, accumulate, DOT_BF16, pf); \
-                        else dot_rows(W, in, r0, r1, xb, in, yb, out, n, accumulate, DOT_F32, pf); break;
-                switch (nb) {
-                CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
-#if DENSE_BATCH_PASS > 6
-                CASE(7) CASE(8)
+                        else dot_rows(W, in, r0, r1, xb, in, yb, out, n, accumulate, DOT_F32, pf); } break;
+                switch (nb) {   /* only the cases a pass can have: a case past DENSE_BATCH_PASS
+                                 * would index past acc (dead code, but GCC warned of it on AVX2) */
+                CASE(1) CASE(2) CASE(3) CASE(4)
+#if DENSE_BATCH_PASS >= 6
+                CASE(5) CASE(6)
 #endif
                 }
 #undef CASE

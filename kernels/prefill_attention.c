@@ -256,7 +256,7 @@ int64_t ms_prefill_attention(const float *q, const float *k, const float *v, flo
             for (int64_t t = 0; t < L; t++) row[t] = k[t * ldkv + hd];
             for (int64_t t = L; t < ldkt; t++) row[t] = 0.0f;
         }   /* the loop's barrier: every row is written before any item reads one */
-        Buffers b;
+        Buffers b = {0};
         int ok = alloc_buffers(&b, H / Hkv, D);
         failed += !ok;
         /* Every thread enters the loop (a work-sharing loop must be met by the whole team); one

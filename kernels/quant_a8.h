@@ -500,8 +500,8 @@ static int64_t qmatmul_a8(const QWeight *w, const float *x, Activations8 act, fl
                                    act.xsum + b * (w->in / A8_BLOCK), act.shift + b};
                 float *yb = y + b * w->out;
                 switch (nb) {   /* a constant nb per case: the loop over inputs unrolls into registers */
-#define CASE(n) case n: if (w->bits == 4) int4_a8_tile(w, r0, r1, ab, yb, w->out, n, accumulate); \
-                        else int8_a8_tile(w, r0, r1, ab, yb, w->out, n, accumulate); break;
+#define CASE(n) case n: { if (w->bits == 4) int4_a8_tile(w, r0, r1, ab, yb, w->out, n, accumulate); \
+                        else int8_a8_tile(w, r0, r1, ab, yb, w->out, n, accumulate); } break;
                 CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
                 }

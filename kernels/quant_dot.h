@@ -307,8 +307,9 @@ tile_pass(const QWeight *w, int64_t r0, int64_t r1, const float *x, float *y, co
         int4_rows(w->codes, w->scales, w->mins, w->bias, 128, w->in, r0, r1, x, y, w->out, nb, acc);
 }
 
-/* y[B, out] = x[B, in] @ W^T (+ bias), or y += that when accumulate. Returns the team size. */
-static int64_t qmatmul(const QWeight *w, const float *x, float *y, int64_t B, int accumulate,
+/* y[B, out] = x[B, in] @ W^T (+ bias), or y += that when accumulate. Returns the team size.
+ * (unused: files that include this header for its vector helpers only) */
+static __attribute__((unused)) int64_t qmatmul(const QWeight *w, const float *x, float *y, int64_t B, int accumulate,
                        int nthreads) {
     int64_t tiles = (w->out + ROW_TILE - 1) / ROW_TILE, team = 1;
     #pragma omp parallel num_threads(nthreads)
