@@ -190,9 +190,9 @@ roof.round(2)
 # two ways of producing a token add up to exactly `p` for every token, whatever `q` is: a poor
 # guesser lowers how often proposals are kept, never what the text looks like in distribution.
 # Prompt lookup has no distribution, so the engine treats its guess as certain (`q` one-hot): the
-# rule becomes "draw `x` from `p`; keep the guess if `x` equals it". (A seeded request is
-# reproducible with the same settings, but speculation uses the random stream differently, so its
-# sampled text is a different draw from the same distribution.)
+# rule becomes "draw `x` from `p`; keep the guess if `x` equals it". (A seeded request draws the
+# noise for its j-th token from a generator seeded by its seed and j, so with lookup proposals
+# its sampled text is exactly the text it gets without speculation.)
 #
 # **What to look for:** below, a deliberately bad draft distribution `q` on a six-token vocabulary
 # proposes one token at a time, and `rejection_sample` (the engine's function) decides. The tokens

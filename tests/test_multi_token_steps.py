@@ -70,6 +70,9 @@ def test_seeded_sampling_with_proposals_is_reproducible(tiny_llm, workload, plai
         llm.llm_engine.proposer = OracleProposer({tuple(p): a for p, a in zip(workload, plain)}, 3, 0.2)
         runs.append(_run(llm, workload, params))
     assert runs[0] == runs[1]
+    # Each token's noise is keyed by its position, so proposals (here right or wrong at random)
+    # leave a seeded request's tokens as plain decoding draws them.
+    assert runs[0] == _run(tiny_llm, workload, params)
 
 
 def test_stop_token_inside_accepted_proposals_ends_there(tiny_llm, workload, plain):

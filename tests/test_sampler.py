@@ -216,3 +216,11 @@ def test_bad_batch_raises_value_error(mutate, field):
     mutate(batch)
     with pytest.raises(ValueError, match=field):
         Sampler()(torch.tensor([LOGITS6] * 2), batch)
+
+
+def test_noise_seeds_differ_by_seed_and_by_position_and_fit_torchs_range():
+    from minserve.engine.sampler import noise_seed
+    seeds = {noise_seed(s, j) for s in (-3, 0, 5, 6, 2**64 - 1) for j in range(50)}
+    assert len(seeds) == 5 * 50                      # seed + position would collide (5, 1) with (6, 0)
+    assert all(0 <= x < 2**64 for x in seeds)
+    assert noise_seed(5, 1) == noise_seed(5, 1)

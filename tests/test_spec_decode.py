@@ -125,6 +125,20 @@ def test_sampled_requests_stay_reproducible_with_a_seed(prompts):
     assert runs[0] == runs[1]
 
 
+def test_seeded_sampled_tokens_do_not_depend_on_proposals(prompts):
+    """A seeded request's noise is keyed by output position (engine/sampler.py), so the rows a
+    verify step draws and throws away take nothing from the tokens after them: with lookup
+    proposals, always or as the adaptive rule decides, the tokens are those of plain decoding."""
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=11 + i, max_tokens=24, ignore_eos=True)
+              for i in range(len(prompts))]
+    plain = generate_ids(LLM("tiny-llama", num_kv_blocks=256), prompts, params)
+    for spec in ({**NGRAM, "adaptive": False}, NGRAM):
+        llm = LLM("tiny-llama", num_kv_blocks=256, speculative_config=spec)
+        assert generate_ids(llm, prompts, params) == plain, spec
+        snap = llm.llm_engine.snapshot()
+        assert snap["vllm:spec_decode_num_draft_tokens"] > 0   # rows drawn and thrown away
+
+
 def test_aborts_mid_speculation_return_every_block(prompts):
     llm = LLM("tiny-llama", num_kv_blocks=64, speculative_config={**NGRAM, "adaptive": False})
     eng = llm.llm_engine

@@ -5,8 +5,9 @@ bad words, ``min_tokens`` and a grammar that together forbid every token) is fou
 row by row: the runner returns it in ``errors`` (and ``client_errors``: the client asked for the
 impossible) beside the other requests' tokens, in the same single pass. Anything else that raises
 out of the step (a bug, bad data no check foresaw) says nothing of whose it is, so each request is
-rerun alone to find out: writing the same K/V into the same slots again is harmless, and seeded
-generators are rewound first, so a retried request samples exactly what it would have. That costs
+rerun alone to find out: writing the same K/V into the same slots again is harmless; a seeded
+request's noise is keyed by its output position (engine/sampler.py), and the draft method's
+stream is rewound first, so a retried request samples exactly what it would have. That costs
 the step's neighbours one serial pass, which is why the foreseeable faults never take this path.
 """
 

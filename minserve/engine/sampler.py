@@ -22,6 +22,15 @@ independent exponentials is ``i`` with probability ``p_i / sum(p)``). Unlike ``t
 over the whole batch, each row's noise is one call on that row's own generator, so a seeded
 request's tokens depend only on its seed and its logits, never on which other requests share the
 batch.
+
+A seeded request's noise for its output token j comes from a generator seeded by (seed, j)
+(:func:`noise_seed`), not from one stream that every draw advances. A speculative verify step
+draws a row for each proposal and keeps only some of them; with one stream, the draws it threw
+away shifted every later token's noise, so the tokens depended on where proposals were made,
+which the adaptive rule (spec/adaptive.py) decides from measured step times: two runs of the
+same seeded request could differ. Keyed by position, the token at j is drawn with the same noise
+whether its row came from a plain decode step or a verify step, so with lookup proposals (exact
+by equality, spec/verify.py) a seeded request's tokens are those of decoding without proposals.
 """
 
 from __future__ import annotations
@@ -72,7 +81,9 @@ class SamplingBatch:
         ``proposed_before``: per row, the proposals a verify step puts before it, which count as
         output for that row's bans and penalties. ``grammar``: the engine's GrammarBackend, which
         fills the bitmask of grammar-constrained rows."""
-        batch = cls(params=[r.params for r in reqs], generators=[r.generator for r in reqs],
+        generators = [position_generator(r, len(r.output_token_ids) + len(ahead))
+                      for r, ahead in zip(reqs, proposed_before)]
+        batch = cls(params=[r.params for r in reqs], generators=generators,
                     banned_token_ids=[banned_tokens(r, len(ahead)) for r, ahead in zip(reqs, proposed_before)],
                     logits_processors=logits_processors)
         if any(needs_output_ids(r.params) for r in reqs):
@@ -124,14 +135,39 @@ def make_generator(params: SamplingParams,
                    device: torch.device | str = "cpu") -> torch.Generator | None:
     """The per-request generator for a seeded request (None for unseeded ones).
 
-    The engine creates it once per request and keeps it across steps, so the request's noise is a
-    single stream that advances by one vocabulary-sized draw per sampled token.
+    The engine creates it once per request and keeps it across steps. The sampler does not draw
+    from it (each token's noise has a generator of its own, :func:`position_generator`); the draft
+    method does, as one stream (spec/draft.py's proposals, spec/verify.py's rejection sampling).
     """
     if params.seed is None:
         return None
     gen = torch.Generator(device=device)
     gen.manual_seed(params.seed)
     return gen
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def noise_seed(seed: int, position: int) -> int:
+    """The seed of a seeded request's noise for its output token ``position`` (0: the first):
+    SplitMix64's finalizer over the pair, so that neighbouring seeds and positions get unrelated
+    streams (``seed + position`` would give request 5's second token the noise of request 6's
+    first). In [0, 2**64), torch.Generator.manual_seed's range."""
+    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_generator(req, position: int) -> torch.Generator | None:
+    """A seeded request's generator for its output token ``position``: a fresh one per row (the
+    rows of one verify step are different positions of one request), ~6 us. None for an unseeded
+    request (it draws from the sampler's shared generator)."""
+    if req.params.seed is None:
+        return None
+    device = req.generator.device if req.generator is not None else "cpu"
+    return torch.Generator(device=device).manual_seed(noise_seed(req.params.seed, position))
 
 
 class Sampler:
