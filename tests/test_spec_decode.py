@@ -125,18 +125,25 @@ def test_sampled_requests_stay_reproducible_with_a_seed(prompts):
     assert runs[0] == runs[1]
 
 
-def test_seeded_sampled_tokens_do_not_depend_on_proposals(prompts):
+@pytest.mark.parametrize("engine_args", [dict(num_kv_blocks=256),
+                                         dict(num_kv_blocks=16, max_num_seqs=10)])   # preemption
+def test_seeded_sampled_tokens_do_not_depend_on_proposals(prompts, engine_args):
     """A seeded request's noise is keyed by output position (engine/sampler.py), so the rows a
     verify step draws and throws away take nothing from the tokens after them: with lookup
-    proposals, always or as the adaptive rule decides, the tokens are those of plain decoding."""
-    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=11 + i, max_tokens=24, ignore_eos=True)
+    proposals, always or as the adaptive rule decides, the tokens are those of plain decoding, for
+    each of a request's samples (n = 2: seeds s and s + 1), and through preemption."""
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=11 + i, n=2, max_tokens=24, ignore_eos=True)
               for i in range(len(prompts))]
-    plain = generate_ids(LLM("tiny-llama", num_kv_blocks=256), prompts, params)
+
+    def samples(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert_all_blocks_free(llm)
+        return [[c.token_ids for c in o.outputs] for o in outs]
+    plain = samples(LLM("tiny-llama", **engine_args))
     for spec in ({**NGRAM, "adaptive": False}, NGRAM):
-        llm = LLM("tiny-llama", num_kv_blocks=256, speculative_config=spec)
-        assert generate_ids(llm, prompts, params) == plain, spec
-        snap = llm.llm_engine.snapshot()
-        assert snap["vllm:spec_decode_num_draft_tokens"] > 0   # rows drawn and thrown away
+        llm = LLM("tiny-llama", speculative_config=spec, **engine_args)
+        assert samples(llm) == plain, spec
+        assert llm.llm_engine.snapshot()["vllm:spec_decode_num_draft_tokens"] > 0   # rows thrown away
 
 
 def test_aborts_mid_speculation_return_every_block(prompts):
