@@ -32,6 +32,7 @@ non-zero when any part failed.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -78,7 +79,10 @@ class Part:
     log: Path = field(init=False)
 
     def __post_init__(self):
-        self.log = LOGS / (re.sub(r"[^A-Za-z0-9_.-]+", "_", self.name).strip("_") + ".log")
+        stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.name).strip("_")
+        if len(stem) > 120:   # many paths in one part: a file name has at most 255 bytes
+            stem = f"{stem[:100]}_{hashlib.sha256(stem.encode()).hexdigest()[:12]}"
+        self.log = LOGS / (stem + ".log")
 
     @property
     def failed(self) -> bool:

@@ -37,6 +37,14 @@ def test_the_whole_suite_is_every_test_once_and_every_notebook_alone():
     assert len(notebooks) >= 10 and all(p.args == [p.name] for p in parts if p.notebook)
 
 
+def test_a_part_of_many_paths_gets_a_log_name_the_file_system_takes():
+    many = [f"tests/test_{'x' * 30}_{i}.py" for i in range(20)]
+    a, b = Part(" ".join(many), many), Part(" ".join(many[:-1]), many[:-1])
+    assert len(a.log.name) <= 255 and a.log.name.endswith(".log")
+    assert a.log != b.log                     # names that share their first 100 bytes still differ
+    assert Part("tests/test_api.py", []).log.name == "tests_test_api.py.log"
+
+
 def test_a_notebook_waits_for_the_baselines_it_loads():
     after = {p.name[5:7]: {a[5:7] for a in p.after} for p in make_parts([], ["labs"])}
     assert after["01"] == {"00"} and after["05"] == {"01", "03"} and after["08"] == set()

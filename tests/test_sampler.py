@@ -224,3 +224,34 @@ def test_noise_seeds_differ_by_seed_and_by_position_and_fit_torchs_range():
     assert len(seeds) == 5 * 50                      # seed + position would collide (5, 1) with (6, 0)
     assert all(0 <= x < 2**64 for x in seeds)
     assert noise_seed(5, 1) == noise_seed(5, 1)
+
+
+def test_inverse_cdf_never_picks_a_token_without_probability_even_at_the_ends():
+    from minserve.engine.sampler import inverse_cdf
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.0, 0.5, 0.25, 0.0],     # zeros inside and at both ends
+                          [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])       # a failed row: any valid id
+    first, last = torch.tensor([0.0, 0.0]), torch.tensor([1 - 2**-53, 1 - 2**-53])
+    assert inverse_cdf(probs, first).tolist() == [1, 6]
+    assert inverse_cdf(probs, last).tolist() == [5, 6]
+    assert inverse_cdf(probs, torch.tensor([0.25, 0.5])).tolist() == [4, 6]   # boundaries go right
+    assert inverse_cdf(probs * 3, torch.tensor([0.2, 0.5])).tolist() == [1, 6]  # unnormalized rows
+
+
+def test_distribution_over_a_full_vocabulary_matches_exact_math():
+    # A 49,152-token row (SmolLM2's vocabulary) whose mass sits in five tokens spread over it, the
+    # last one at the end, with a floor of tiny probabilities everywhere else: a float32 running sum
+    # or a lost tail would show as a departure here.
+    V, hot = 49152, [3, 1000, 20000, 40000, 49151]
+    logits = torch.full((V,), -12.0)
+    logits[hot] = torch.tensor([1.0, 0.5, 0.0, -0.5, 0.2])
+    exact = torch.softmax(logits.double(), dim=0)
+    n = 4000
+    out = Sampler(torch.Generator().manual_seed(9))(logits.expand(n, V).contiguous(),
+                                                    _batch([SamplingParams(temperature=1.0)] * n))
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=V).double()
+    cold = exact.clone()
+    cold[hot] = 0
+    observed = [*counts[hot].tolist(), n - counts[hot].sum().item()]
+    expected = [*(n * exact[hot]).tolist(), n * cold.sum().item()]
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    assert chi2 < CHI2_CRIT[5], (observed, [round(e, 1) for e in expected])
