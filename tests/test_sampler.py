@@ -131,9 +131,11 @@ def test_mixed_batch_each_row_gets_its_own_distribution():
 
 @pytest.mark.parametrize("top_p", [0.5, 0.8, 0.97])
 def test_nucleus_window_and_its_fallback_are_exact(monkeypatch, top_p):
-    # With a 2-token window, top_p=0.5 fits in it, 0.8 and 0.97 need the full-sort fallback; mixing
-    # a second logits row whose nucleus is narrower puts both paths in one call.
+    # With a 2-token window and a 3-token wide one, top_p=0.5 fits in the first, 0.8 in the
+    # second, 0.97 needs the full-sort fallback; mixing a second logits row whose nucleus is
+    # narrower puts two paths in one call.
     monkeypatch.setattr(sampler_mod, "NUCLEUS_WINDOW", 2)
+    monkeypatch.setattr(sampler_mod, "NUCLEUS_WIDE_WINDOW", 3)
     sharp = [4.0, 1.0, 0.5, 0.0, -0.5, -1.0]
     n = 6000
     p = SamplingParams(top_p=top_p)

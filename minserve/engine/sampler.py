@@ -48,10 +48,14 @@ import torch
 from minserve.engine.penalties import apply_logits_controls, needs_output_ids
 from minserve.sampling_params import SamplingParams
 
-# Top-p rows without top-k look for their nucleus among this many best tokens first (exact: rows
-# whose nucleus is wider fall back to a full sort). LLM nuclei at top_p <= 0.95 are usually far
-# smaller; the constant only trades the cost of one topk against how often the fallback runs.
+# Top-p rows without top-k look for their nucleus among this many best tokens first, then among
+# NUCLEUS_WIDE_WINDOW (exact: rows whose nucleus is wider still fall back to a full sort). LLM
+# nuclei at top_p <= 0.95 are usually far smaller; the constants only trade the cost of a topk
+# against how often the next step runs. [16, 49152] on the Zen 4 EPYC (2026-12-06): topk 1024
+# 4.3 ms, topk 8192 7.7 ms, a full sort 28.7 ms; flat rows (a small model on an odd prompt, top_p
+# 0.95) took the sort every step before the second window.
 NUCLEUS_WINDOW = 1024
+NUCLEUS_WIDE_WINDOW = 8192
 
 
 @dataclass
@@ -355,7 +359,7 @@ def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> Non
 
     A full sort of [R, V] costs ~25x a ``topk`` of 1024 on CPU, so rows are processed in a window
     of their best tokens: exactly ``top_k`` of them when top-k is on, else ``NUCLEUS_WINDOW``
-    (falling back to a full sort for the rare row whose nucleus is wider). Rows are grouped by
+    (then ``NUCLEUS_WIDE_WINDOW``, then a full sort, for the rare row whose nucleus is wider). Rows are grouped by
     window size and the size never depends on other rows, so a row's result does not depend on
     the batch it is in (needed for seeded reproducibility). Top-k keeps exactly k tokens; ties at
     the k-th value are broken by ``topk`` (vLLM keeps all tied tokens: rare with float logits).
@@ -369,6 +373,8 @@ def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> Non
             windows.setdefault((min(NUCLEUS_WINDOW, vocab), False), []).append(j)
     for (window, is_top_k), rows in windows.items():
         wide = _truncate_rows(logits, rows, window, is_top_k, params)
+        if wide and window < NUCLEUS_WIDE_WINDOW < vocab:
+            wide = _truncate_rows(logits, wide, NUCLEUS_WIDE_WINDOW, False, params)
         if wide:
             _truncate_rows(logits, wide, vocab, False, params)
 
