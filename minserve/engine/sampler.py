@@ -267,6 +267,17 @@ class Sampler:
         return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
 
+def draw_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from the distribution ``probs`` [V] (any non-negative weights): on a CPU by
+    :func:`inverse_cdf` with one float64 uniform from ``generator``, elsewhere ``torch.multinomial``
+    (0.03 against 1.0 ms for a 49,152-token row on the Zen 4 EPYC's CPU). For the draft method's
+    proposals and rejection sampling (spec/draft.py, spec/verify.py)."""
+    if probs.device.type != "cpu":
+        return int(torch.multinomial(probs, 1, generator=generator))
+    u = torch.rand(1, dtype=torch.float64, generator=generator)
+    return int(inverse_cdf(probs.unsqueeze(0), u))
+
+
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Row r's token: the first index whose cumulative sum of ``probs[r]`` exceeds ``u[r]`` times
     the row's total, for ``u`` in [0, 1); ``probs`` [R, V] need not sum to 1 (zeros: tokens

@@ -31,6 +31,7 @@ import torch
 
 from minserve.attention import StepSequences
 from minserve.engine.kv_cache import KVCacheManager, plan_kv_cache
+from minserve.engine.sampler import draw_token
 from minserve.engine.model_runner import ModelRunner
 from minserve.models.loader import LoadedModel, load_model
 from minserve.spec.adaptive import _bucket
@@ -167,7 +168,7 @@ class DraftModelProposer:
         q = sampling_probs(logits[sampled], [reqs[i].params for i in sampled], [[] for _ in sampled])
         for j, i in enumerate(sampled):
             gen = reqs[i].generator if reqs[i].generator is not None else self.generator
-            tokens[i] = int(torch.multinomial(q[j], 1, generator=gen))
+            tokens[i] = draw_token(q[j], gen)
             q_rows[i] = q[j]
         return tokens, q_rows
 

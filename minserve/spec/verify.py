@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from minserve.engine.sampler import apply_min_p, apply_top_k_top_p, ban_tokens_, gather_logprobs
+from minserve.engine.sampler import apply_min_p, apply_top_k_top_p, ban_tokens_, draw_token, gather_logprobs
 from minserve.engine.step_io import SampledToken
 
 
@@ -54,9 +54,9 @@ def rejection_sample(target_probs, draft_probs, proposals: list[int], generator=
         residual = (p - q).clamp_min(0)
         total = residual.sum()
         dist = residual / total if total > 0 else p  # p == q: nothing to correct (cannot refuse)
-        out.append(int(torch.multinomial(dist, 1, generator=generator)))
+        out.append(draw_token(dist, generator))
         return out
-    out.append(int(torch.multinomial(target_probs[len(proposals)], 1, generator=generator)))
+    out.append(draw_token(target_probs[len(proposals)], generator))
     return out
 
 
