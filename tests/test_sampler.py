@@ -221,7 +221,7 @@ def test_bad_batch_raises_value_error(mutate, field):
 
 
 def test_noise_seeds_differ_by_seed_and_by_position_and_fit_torchs_range():
-    from minserve.engine.sampler import noise_seed
+    from minserve.engine.draws import noise_seed
     seeds = {noise_seed(s, j) for s in (-3, 0, 5, 6, 2**64 - 1) for j in range(50)}
     assert len(seeds) == 5 * 50                      # seed + position would collide (5, 1) with (6, 0)
     assert all(0 <= x < 2**64 for x in seeds)
@@ -229,7 +229,7 @@ def test_noise_seeds_differ_by_seed_and_by_position_and_fit_torchs_range():
 
 
 def test_inverse_cdf_never_picks_a_token_without_probability_even_at_the_ends():
-    from minserve.engine.sampler import inverse_cdf
+    from minserve.engine.draws import inverse_cdf
     probs = torch.tensor([[0.0, 0.25, 0.0, 0.0, 0.5, 0.25, 0.0],     # zeros inside and at both ends
                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])       # a failed row: any valid id
     first, last = torch.tensor([0.0, 0.0]), torch.tensor([1 - 2**-53, 1 - 2**-53])

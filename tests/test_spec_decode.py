@@ -128,7 +128,7 @@ def test_sampled_requests_stay_reproducible_with_a_seed(prompts):
 @pytest.mark.parametrize("engine_args", [dict(num_kv_blocks=256),
                                          dict(num_kv_blocks=16, max_num_seqs=10)])   # preemption
 def test_seeded_sampled_tokens_do_not_depend_on_proposals(prompts, engine_args):
-    """A seeded request's noise is keyed by output position (engine/sampler.py), so the rows a
+    """A seeded request's noise is keyed by output position (engine/draws.py), so the rows a
     verify step draws and throws away take nothing from the tokens after them: with lookup
     proposals, always or as the adaptive rule decides, the tokens are those of plain decoding, for
     each of a request's samples (n = 2: seeds s and s + 1), and through preemption."""

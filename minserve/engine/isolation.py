@@ -6,7 +6,7 @@ row by row: the runner returns it in ``errors`` (and ``client_errors``: the clie
 impossible) beside the other requests' tokens, in the same single pass. Anything else that raises
 out of the step (a bug, bad data no check foresaw) says nothing of whose it is, so each request is
 rerun alone to find out: writing the same K/V into the same slots again is harmless; a seeded
-request's noise is keyed by its output position (engine/sampler.py), and the draft method's
+request's noise is keyed by its output position (engine/draws.py), and the draft method's
 stream is rewound first, so a retried request samples exactly what it would have. That costs
 the step's neighbours one serial pass, which is why the foreseeable faults never take this path.
 """

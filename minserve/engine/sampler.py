@@ -22,18 +22,12 @@ is the exponential race, as in vLLM: with ``q_i ~ Exp(1)`` independent, ``argmax
 distributed exactly as ``Categorical(p)`` (``q_i / p_i ~ Exp(p_i)``, and the smallest of
 independent exponentials is ``i`` with probability ``p_i / sum(p)``); it needs no scan, but a
 vocabulary's worth of noise per row, which a GPU draws in microseconds and a CPU does not
-(:func:`inverse_cdf` has the figures). Either way, unlike ``torch.multinomial`` over the whole
-batch, each row's noise is one call on that row's own generator, so a seeded request's tokens
-depend only on its seed and its logits, never on which other requests share the batch.
+(engine/draws.py's ``inverse_cdf`` has the figures). Either way, unlike ``torch.multinomial``
+over the whole batch, each row's noise is one call on that row's own generator, so a seeded
+request's tokens depend only on its seed and its logits, never on which other requests share the
+batch.
 
-A seeded request's noise for its output token j comes from a generator seeded by (seed, j)
-(:func:`noise_seed`), not from one stream that every draw advances. A speculative verify step
-draws a row for each proposal and keeps only some of them; with one stream, the draws it threw
-away shifted every later token's noise, so the tokens depended on where proposals were made,
-which the adaptive rule (spec/adaptive.py) decides from measured step times: two runs of the
-same seeded request could differ. Keyed by position, the token at j is drawn with the same noise
-whether its row came from a plain decode step or a verify step, so with lookup proposals (exact
-by equality, spec/verify.py) a seeded request's tokens are those of decoding without proposals.
+A seeded request's noise is keyed by its output position (engine/draws.py says why).
 """
 
 from __future__ import annotations
@@ -45,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from minserve.engine.draws import inverse_cdf, position_generator
 from minserve.engine.penalties import apply_logits_controls, needs_output_ids
 from minserve.sampling_params import SamplingParams
 
@@ -143,7 +138,7 @@ def make_generator(params: SamplingParams,
     """The per-request generator for a seeded request (None for unseeded ones).
 
     The engine creates it once per request and keeps it across steps. The sampler does not draw
-    from it (each token's noise has a generator of its own, :func:`position_generator`); the draft
+    from it (each token's noise has a generator of its own, draws.position_generator); the draft
     method does, as one stream (spec/draft.py's proposals, spec/verify.py's rejection sampling).
     """
     if params.seed is None:
@@ -151,30 +146,6 @@ def make_generator(params: SamplingParams,
     gen = torch.Generator(device=device)
     gen.manual_seed(params.seed)
     return gen
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def noise_seed(seed: int, position: int) -> int:
-    """The seed of a seeded request's noise for its output token ``position`` (0: the first):
-    SplitMix64's finalizer over the pair, so that neighbouring seeds and positions get unrelated
-    streams (``seed + position`` would give request 5's second token the noise of request 6's
-    first). In [0, 2**64), torch.Generator.manual_seed's range."""
-    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def position_generator(req, position: int) -> torch.Generator | None:
-    """A seeded request's generator for its output token ``position``: a fresh one per row (the
-    rows of one verify step are different positions of one request), ~6 us. None for an unseeded
-    request (it draws from the sampler's shared generator)."""
-    if req.params.seed is None:
-        return None
-    device = req.generator.device if req.generator is not None else "cpu"
-    return torch.Generator(device=device).manual_seed(noise_seed(req.params.seed, position))
 
 
 class Sampler:
@@ -265,38 +236,6 @@ class Sampler:
         # treats NaN as the maximum, so a zero-probability token could win. Clamping keeps the
         # race exact for every token with p > 0.
         return q.clamp_min_(torch.finfo(q.dtype).tiny)
-
-
-def draw_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from the distribution ``probs`` [V] (any non-negative weights): on a CPU by
-    :func:`inverse_cdf` with one float64 uniform from ``generator``, elsewhere ``torch.multinomial``
-    (0.11 against 1.05 ms for a 49,152-token row, one thread, Zen 4 EPYC). For the draft method's
-    proposals and rejection sampling (spec/draft.py, spec/verify.py)."""
-    if probs.device.type != "cpu":
-        return int(torch.multinomial(probs, 1, generator=generator))
-    u = torch.rand(1, dtype=torch.float64, generator=generator)
-    return int(inverse_cdf(probs.unsqueeze(0), u))
-
-
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Row r's token: the first index whose cumulative sum of ``probs[r]`` exceeds ``u[r]`` times
-    the row's total, for ``u`` in [0, 1); ``probs`` [R, V] need not sum to 1 (zeros: tokens
-    outside top-k / top-p / min-p, never chosen, since the sum does not grow there).
-
-    Exact up to float64 rounding: the sums are float64 (a float32 running sum over 49,152 tokens
-    would drift by ~1e-6), and so is u (53 bits). Why not the exponential race on a CPU:
-    ``Tensor.exponential_`` computes one logarithm at a time, 0.93 ms per 49,152-token row (one
-    thread, Zen 4 EPYC, 2026-12-06), so 16 sampled rows spent ~15 ms of every decode step on noise,
-    a third of a 16-row fp32 step; float64 uniforms and a vectorized log took 8.4 ms for the 16 rows;
-    this takes 0.5. A row with no probability left (a failed row: its token is not used) gets the
-    last id rather than one past it."""
-    cdf = probs.double().cumsum_(dim=-1)
-    total = cdf[:, -1]
-    # u * total may round up to total itself (u just under 1), which no sum exceeds: keep the
-    # target below it, so the last token with probability is the one found.
-    target = torch.minimum(u.to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
-    found = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
-    return found.clamp_max_(probs.shape[-1] - 1)
 
 
 def _fail_empty_rows(logits: torch.Tensor, failed: dict[int, str]) -> None:

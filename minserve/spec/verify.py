@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from minserve.engine.sampler import apply_min_p, apply_top_k_top_p, ban_tokens_, draw_token, gather_logprobs
+from minserve.engine.draws import draw_token
+from minserve.engine.sampler import apply_min_p, apply_top_k_top_p, ban_tokens_, gather_logprobs
 from minserve.engine.step_io import SampledToken
 
 
