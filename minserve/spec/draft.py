@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from minserve.attention import StepSequences
-from minserve.engine.kv_cache import KVCacheManager, plan_kv_cache
 from minserve.engine.draws import draw_token
+from minserve.engine.kv_cache import KVCacheManager, plan_kv_cache
 from minserve.engine.model_runner import ModelRunner
 from minserve.models.loader import LoadedModel, load_model
 from minserve.spec.adaptive import _bucket
