@@ -45,7 +45,8 @@ def position_generator(req, position: int) -> torch.Generator | None:
 def draw_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from the distribution ``probs`` [V] (any non-negative weights): on a CPU by
     :func:`inverse_cdf` with one float64 uniform from ``generator``, elsewhere ``torch.multinomial``
-    (0.11 against 1.05 ms for a 49,152-token row, one thread, Zen 4 EPYC). For the draft method's
+    (0.075 against 1.03 ms for a 49,152-token row, one thread, Zen 4 EPYC, benchmarks/
+    bench_sampler.py). For the draft method's
     proposals and rejection sampling (spec/draft.py, spec/verify.py)."""
     if probs.device.type != "cpu":
         return int(torch.multinomial(probs, 1, generator=generator))
@@ -60,10 +61,10 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
     Exact up to float64 rounding: the sums are float64 (a float32 running sum over 49,152 tokens
     would drift by ~1e-6), and so is u (53 bits). Why not the exponential race on a CPU:
-    ``Tensor.exponential_`` computes one logarithm at a time, 0.93 ms per 49,152-token row (one
-    thread, Zen 4 EPYC, 2026-12-06), so 16 sampled rows spent ~15 ms of every decode step on noise,
-    a third of a 16-row fp32 step; float64 uniforms and a vectorized log took 8.4 ms for the 16 rows;
-    this takes 0.5. A row with no probability left (a failed row: its token is not used) gets the
+    ``Tensor.exponential_`` computes one logarithm at a time, 0.96 ms per 49,152-token row (one
+    thread, Zen 4 EPYC, 2026-12-06, benchmarks/bench_sampler.py), so 16 sampled rows spent ~15 ms
+    of every decode step on noise, a third of a 16-row fp32 step; one sampler call over 16 rows at
+    temperature 0.8 took 17.7 ms with the race and takes 2.5 with this. A row with no probability left (a failed row: its token is not used) gets the
     last id rather than one past it."""
     cdf = probs.double().cumsum_(dim=-1)
     total = cdf[:, -1]

@@ -1,0 +1,126 @@
+"""What sampling costs on this CPU: the noise, the filters, one sampler call, and decode throughput.
+
+    .venv/bin/python benchmarks/bench_sampler.py            # everything (~3 min on 2 cores)
+    .venv/bin/python benchmarks/bench_sampler.py --no-decode
+
+Parts (one thread unless said, SmolLM2's 49,152-token vocabulary):
+- noise: ``Tensor.exponential_`` over one row (what the exponential race needs per sampled row)
+  against one row's inverse-CDF draw (``engine/draws.py``: ``draw_token``) and
+  ``torch.multinomial``;
+- filters: ``topk`` of 1,024 and 8,192 and a full sort over 16 rows (``sampler.NUCLEUS_WINDOW``,
+  ``NUCLEUS_WIDE_WINDOW``);
+- sampler: one ``Sampler`` call over 16 rows, by parameters (temperature, flat top-p, top-k),
+  the CPU's inverse CDF against the exponential race on the same rows;
+- decode: 16 requests of 32 prompt and 96 output tokens, temperature 0.8 (unseeded and seeded),
+  through the engine with the race and with the inverse CDF, alternating in one process, and
+  greedy beside them (tok/s, every round printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import minserve.engine.sampler as sampler_mod
+from minserve.engine.draws import draw_token
+from minserve.engine.sampler import Sampler, SamplingBatch
+from minserve.sampling_params import SamplingParams
+
+VOCAB = 49152
+ROWS = 16
+
+
+def ms(fn, n: int = 30) -> float:
+    """Median milliseconds of ``fn()`` over ``n`` calls, after one unmeasured call."""
+    fn()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def race_sample(self, logits, params, generators):
+    """The exponential race on every device: the CPU's draw until 2026-12-06."""
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    logits.div_(temps.unsqueeze(1))
+    sampler_mod.apply_min_p(logits, params)
+    sampler_mod.apply_top_k_top_p(logits, params)
+    probs = logits.softmax(dim=-1)
+    return sampler_mod._argmax_rows(probs.div_(self._exponentials(probs, generators)))
+
+
+def noise_and_filters() -> None:
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    row, p = torch.empty(VOCAB), torch.randn(VOCAB).softmax(-1)
+    print(f"one row, one thread: exponential_ {ms(lambda: row.exponential_(generator=g)):.2f} ms, "
+          f"draw_token {ms(lambda: draw_token(p, g)):.3f} ms, "
+          f"multinomial {ms(lambda: torch.multinomial(p, 1, generator=g)):.3f} ms")
+    x = torch.randn(ROWS, VOCAB) * 3
+    print(f"{ROWS} rows, one thread: topk 1024 {ms(lambda: x.topk(1024, dim=-1), 10):.1f} ms, "
+          f"topk 8192 {ms(lambda: x.topk(8192, dim=-1), 10):.1f} ms, "
+          f"sort {ms(lambda: x.sort(dim=-1, descending=True), 10):.1f} ms")
+
+
+def sampler_calls() -> None:
+    torch.set_num_threads(1)
+    logits = torch.randn(ROWS, VOCAB) * 3   # flat rows: a wide top-p nucleus
+    new = Sampler._sample
+    for name, kw in (("temperature 0.8", dict(temperature=0.8)),
+                     ("top_p 0.95 (flat rows)", dict(temperature=0.8, top_p=0.95)),
+                     ("top_k 50", dict(temperature=0.8, top_k=50))):
+        batch = SamplingBatch([SamplingParams(**kw)] * ROWS, [None] * ROWS, [[] for _ in range(ROWS)])
+        s = Sampler(torch.Generator().manual_seed(0))
+        out = {}
+        for label, fn in (("race", race_sample), ("inverse cdf", new)):
+            Sampler._sample = fn
+            out[label] = ms(lambda: s(logits, batch), 10)
+        Sampler._sample = new
+        print(f"sampler, {ROWS} rows, one thread, {name}: race {out['race']:.1f} ms, "
+              f"inverse cdf {out['inverse cdf']:.1f} ms")
+
+
+def decode(dtype: str, rounds: int) -> None:
+    from minserve import LLM
+    torch.set_num_threads(2)
+    llm = LLM("smollm2-135m", dtype=dtype, max_num_seqs=ROWS, max_num_batched_tokens=512, num_kv_blocks=256)
+    prompts = [{"prompt_token_ids": [1000 + 37 * i + k for k in range(32)]} for i in range(ROWS)]
+    greedy = [SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)] * ROWS
+    new = Sampler._sample
+    for seeded in (False, True):
+        sampled = [SamplingParams(temperature=0.8, max_tokens=96, ignore_eos=True,
+                                  seed=i if seeded else None) for i in range(ROWS)]
+        res: dict[str, list[float]] = {"race": [], "inverse cdf": [], "greedy": []}
+        for _ in range(rounds):
+            for label, fn, params in (("race", race_sample, sampled), ("inverse cdf", new, sampled),
+                                      ("greedy", new, greedy)):
+                Sampler._sample = fn
+                t = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                res[label].append(ROWS * 96 / (time.perf_counter() - t))
+        Sampler._sample = new
+        print(f"decode {dtype}, {'seeded' if seeded else 'unseeded'}, temperature 0.8, tok/s: "
+              + "; ".join(f"{k} {', '.join(f'{v:.0f}' for v in vs)} (median {statistics.median(vs):.0f})"
+                          for k, vs in res.items()), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-decode", action="store_true", help="skip the engine runs")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of the engine runs")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    args = ap.parse_args()
+    noise_and_filters()
+    sampler_calls()
+    if not args.no_decode:
+        for dtype in args.dtypes.split(","):
+            decode(dtype, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
