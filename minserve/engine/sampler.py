@@ -46,9 +46,10 @@ from minserve.sampling_params import SamplingParams
 # Top-p rows without top-k look for their nucleus among this many best tokens first, then among
 # NUCLEUS_WIDE_WINDOW (exact: rows whose nucleus is wider still fall back to a full sort). LLM
 # nuclei at top_p <= 0.95 are usually far smaller; the constants only trade the cost of a topk
-# against how often the next step runs. [16, 49152] on the Zen 4 EPYC (2026-12-06): topk 1024
-# 4.3 ms, topk 8192 7.7 ms, a full sort 28.7 ms; flat rows (a small model on an odd prompt, top_p
-# 0.95) took the sort every step before the second window.
+# against how often the next step runs. [16, 49152], one thread, Zen 4 EPYC (2026-12-06,
+# benchmarks/bench_sampler.py): topk 1024 7.6 ms, topk 8192 15.2 ms, a full sort 57.5 ms; flat
+# rows (a small model on an odd prompt, top_p 0.95) took the sort every step before the second
+# window.
 NUCLEUS_WINDOW = 1024
 NUCLEUS_WIDE_WINDOW = 8192
 
@@ -83,7 +84,8 @@ class SamplingBatch:
         ``proposed_before``: per row, the proposals a verify step puts before it, which count as
         output for that row's bans and penalties. ``grammar``: the engine's GrammarBackend, which
         fills the bitmask of grammar-constrained rows."""
-        generators = [position_generator(r, len(r.output_token_ids) + len(ahead))
+        # Greedy rows draw nothing: no generator built for them (a seeded greedy request is common).
+        generators = [None if r.params.is_greedy else position_generator(r, len(r.output_token_ids) + len(ahead))
                       for r, ahead in zip(reqs, proposed_before)]
         batch = cls(params=[r.params for r in reqs], generators=generators,
                     banned_token_ids=[banned_tokens(r, len(ahead)) for r, ahead in zip(reqs, proposed_before)],
