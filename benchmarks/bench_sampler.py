@@ -25,6 +25,7 @@ import time
 import torch
 
 import minserve.engine.sampler as sampler_mod
+from bench_roofline import _median_time   # one warm-up call, then the median
 from minserve.engine.draws import draw_token
 from minserve.engine.sampler import Sampler, SamplingBatch
 from minserve.sampling_params import SamplingParams
@@ -35,13 +36,7 @@ ROWS = 16
 
 def ms(fn, n: int = 30) -> float:
     """Median milliseconds of ``fn()`` over ``n`` calls, after one unmeasured call."""
-    fn()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    return _median_time(fn, n) * 1e3
 
 
 def race_sample(self, logits, params, generators):
