@@ -2,7 +2,8 @@
 
 Same model folder (the Hugging Face directory minserve converts the default model into), same
 prompt token ids, same scheduler limits, same cores, greedy decoding with ``ignore_eos`` so every
-engine produces exactly the requested tokens. Three measurements per engine:
+engine produces exactly the requested tokens (``--temperature`` / ``--top-p`` sample instead: the
+same request shapes, each engine's own sampler on every step). Three measurements per engine:
 
 1. a mixed offline workload (prompts 16-768 tokens, outputs 8-256, lognormal: mostly short, a long
    tail), all submitted at once: useful output tokens per second (the requested tokens only);
@@ -79,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache per engine (VLLM_CPU_KVCACHE_SPACE)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0 (default): greedy, and minserve fp32's tokens are compared with vLLM fp32's")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/vs_vllm.json")
     ap.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
@@ -111,7 +115,8 @@ def vllm_worker(args) -> None:
         job = json.loads(line)
         if job.get("op") == "quit":
             break
-        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in job["max_tokens"]]
+        params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=m, ignore_eos=True)
+                  for m in job["max_tokens"]]
         prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -138,7 +143,8 @@ class VllmEngine:
         cmd = [str(python), str(Path(__file__).resolve()), "--vllm-worker", "--dtype", dtype,
                "--model-dir", str(model_dir), "--max-model-len", str(args.max_model_len),
                "--max-num-seqs", str(args.max_num_seqs),
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--seed", str(args.seed)]
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--seed", str(args.seed),
+               "--temperature", str(args.temperature), "--top-p", str(args.top_p)]
         with open(self.log_path, "wb") as log:
             # cwd: not the repository, whose kernels/ vLLM's helper processes (`python -m`, the
             # cwd first on their path) would find as Hugging Face's `kernels` package and fail on.
@@ -183,10 +189,11 @@ class MinserveEngine:
                        enable_prefix_caching=False, seed=args.seed)
         self.info = {"quantization": quantization, "dtype": dtype, "quantization_config": quantization_config,
                      "fp32_matmul_precision": fp32_matmul_precision}
+        self.sampling = {"temperature": args.temperature, "top_p": args.top_p}
 
     def run(self, prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, list[list[int]]]:
         from minserve import SamplingParams
-        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        params = [SamplingParams(**self.sampling, max_tokens=m, ignore_eos=True) for m in max_tokens]
         t0 = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
@@ -280,6 +287,8 @@ def markdown(res: dict) -> str:
     rows = [f"| | mixed (useful tok/s) | batch-1 decode (tok/s) | batch-{seqs} decode (tok/s) | "
             f"{seqs} / 1 | prefill (tok/s, {res['args']['prefill_len']}-token prompts) |",
             "| --- | --- | --- | --- | --- | --- |"]
+    if res["args"].get("temperature"):
+        rows.insert(0, f"Sampled: temperature {res['args']['temperature']:g}, top_p {res['args']['top_p']:g}.\n")
     for name, r in res["engines"].items():
         rows.append(f"| {name.replace('-', ' ')} | {r['mixed_tok_s']:.1f} | {r['decode_tok_s']:.1f} | "
                     f"{r['decode16_tok_s']:.1f} | {r['decode16_tok_s'] / r['decode_tok_s']:.1f} | "
@@ -380,7 +389,7 @@ def main() -> None:
     res["ceiling_shares"] = roofline_share.for_run(res["engines"], model_dir, args)
     res["mixed_step_kinds"] = {n: k["summary"] for n, k in step_kinds.items()}
     for mine, key in (("minserve-fp32", "fp32"), ("minserve-fp32-high", "fp32_high")):   # against vLLM fp32
-        if mine in tokens and "vllm-fp32" in tokens:
+        if mine in tokens and "vllm-fp32" in tokens and args.temperature == 0:
             a, b = tokens[mine], tokens["vllm-fp32"]
             res[f"greedy_{key}_identical"] = sum(x == y for x, y in zip(a, b))
             res[f"greedy_{key}_leading_agreement"] = [leading_agreement(x, y) for x, y in zip(a, b)]

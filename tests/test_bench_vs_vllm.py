@@ -108,6 +108,18 @@ def test_the_phase_notes_print_under_the_ratios():
     assert markdown(res).endswith("| minserve-bf16 / vllm-bf16 | 2.00 | 2.00 | 2.00 | 2.00 |\n\nNote: a note.")
 
 
+def test_a_sampled_run_says_so_above_its_table_and_a_greedy_one_does_not():
+    res = {"args": {"max_num_seqs": 16, "prefill_len": 1024, "temperature": 0.8, "top_p": 0.95},
+           "engines": {"minserve-bf16": _row(2.0)}}
+    assert markdown(res).startswith("Sampled: temperature 0.8, top_p 0.95.\n\n| |")
+    res["args"]["temperature"] = 0.0
+    assert markdown(res).startswith("| | mixed")
+    from bench_vs_vllm import parse_args
+    a = parse_args(["--temperature", "0.8", "--top-p", "0.9", "--quick"])
+    assert (a.temperature, a.top_p) == (0.8, 0.9)
+    assert parse_args([]).temperature == 0.0
+
+
 def _shares(engines, bf16_dot=None, seqs=16, prefill_len=128, decode_tokens=32):
     from argparse import Namespace
 
