@@ -87,3 +87,39 @@ def test_weight_bytes_counts_tied_head_once(tmp_path):
     assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
     assert params > cfg["vocab_size"] * cfg["hidden_size"]
     assert torch.equal(model.lm_head.weight, model.embed_tokens.weight)
+
+
+def test_a_folder_naming_the_fast_tokenizer_loads_the_same_tokenizer_as_auto():
+    """load_tokenizer skips AutoTokenizer's class lookup when tokenizer_config.json names the
+    generic fast tokenizer; what it returns must be AutoTokenizer's tokenizer in every respect
+    the engine, the server and the labs use."""
+    from transformers import AutoTokenizer
+
+    from minserve.models.loader import load_tokenizer, resolve_model_dir
+    path = resolve_model_dir("smollm2-135m")
+    ours, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(str(path))
+    assert type(ours) is type(auto)
+    assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
+    assert ours.special_tokens_map == auto.special_tokens_map
+    assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id, len(ours)) == \
+           (auto.eos_token_id, auto.bos_token_id, auto.pad_token_id, len(auto))
+    assert ours.chat_template == auto.chat_template and ours.chat_template
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo <|im_end|> 2+2?"}]
+    assert ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+           auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    for text in ("Hello world", "  spaces\tand\nlines  ", "<|im_start|>user\nhi<|im_end|>", "数字 123 🙂"):
+        assert ours(text).input_ids == auto(text).input_ids
+        assert ours.decode(auto(text).input_ids) == auto.decode(auto(text).input_ids)
+
+
+def test_a_folder_naming_another_tokenizer_class_goes_through_auto(tmp_path, monkeypatch):
+    import transformers
+
+    from minserve.models import loader
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    calls = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda path, **kw: calls.append(path) or "auto's")
+    assert loader.load_tokenizer(tmp_path) == "auto's" and calls == [str(tmp_path)]
+    (tmp_path / "tokenizer_config.json").write_text("not json")   # unreadable: Auto decides too
+    assert loader.load_tokenizer(tmp_path) == "auto's" and len(calls) == 2

@@ -63,9 +63,26 @@ def load_model(name: str) -> LoadedModel:
     return LoadedModel(name, path, config, hf_config, _read_weights(path), load_tokenizer(path))
 
 
-def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
+# Tokenizer classes that are the generic fast tokenizer (tokenizer.json) under either name.
+# ``AutoTokenizer`` imports the model's configuration modules first to resolve a class (~1.5 s:
+# torch.distributed among them), two thirds of an engine's start; a folder that names the class
+# already is loaded through it directly, the same object either way (tests/test_models.py).
+_FAST_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _named_tokenizer_class(path: Path) -> str | None:
     try:
+        return json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def load_tokenizer(path: Path):
+    try:
+        if _named_tokenizer_class(path) in _FAST_TOKENIZER_CLASSES:
+            from transformers import PreTrainedTokenizerFast
+            return PreTrainedTokenizerFast.from_pretrained(str(path))
+        from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001 - re-raised with the directory named
         raise ValueError(f"could not load a tokenizer from {path} ({type(e).__name__}: {e}); "
