@@ -75,7 +75,8 @@ labs-sync: venv
 # no-op after that; the tests add 1-2.5 min). Elsewhere `make test WITH_VLLM=1` opts in; without the
 # venv those tests skip, naming `make vllm-venv`. A failed setup fails CI rather than skip silently.
 #
-# TEST_LAYOUT=two (the default) runs the suite through tests/run_suite.py: two workers, one per core,
+# TEST_LAYOUT=shared (the default) runs the suite through tests/run_suite.py: one worker per core (at
+# most 4; TEST_WORKERS=N sets another number; two on the 2-core boxes this project measures on),
 # each running one pytest process at a time at one thread (NOTEBOOK_THREADS=2 gives notebooks two),
 # take its parts (each notebook, each test file that takes minutes alone, the rest of tests/) by how
 # much work waits on each; a notebook that reads another lab's baseline starts after that lab. Each
@@ -83,7 +84,7 @@ labs-sync: venv
 # PYTEST_ARGS go to each pytest (e.g. PYTEST_ARGS="-x --durations=20"). Not pytest-xdist: with
 # --dist loadgroup it ran a notebook's cells out of order across kernel restarts (149 NameErrors).
 WITH_VLLM ?= $(CI)
-TEST_LAYOUT ?= two
+TEST_LAYOUT ?= shared
 PYTEST_ARGS ?=
 test: venv $(if $(filter-out 0 false,$(WITH_VLLM)),vllm-venv,)
 	$(VPY) tests/run_suite.py --layout $(TEST_LAYOUT) -- $(PYTEST_ARGS)

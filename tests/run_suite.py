@@ -1,16 +1,18 @@
 """Run the whole suite — tests/ and every notebook in labs/ — the way `make test` does.
 
-    python tests/run_suite.py                 # two workers share the parts (the default)
+    python tests/run_suite.py                 # one worker per core shares the parts (the default)
+    TEST_WORKERS=3 python tests/run_suite.py  # another number of workers
     python tests/run_suite.py --layout one    # one pytest process, everything in turn
     python tests/run_suite.py -- -x -k lab    # anything after -- goes to each pytest
     python tests/run_suite.py -- tests/test_api.py labs/00_tour.ipynb   # just these
 
 How the work is shared: the suite is cut into parts — each notebook, each test file that takes
-minutes on its own (``SLOW_FILES``), and the rest of tests/ — and two workers each run one pytest
+minutes on its own (``SLOW_FILES``), and the rest of tests/ — and the workers (one per usable
+core, at most ``MAX_DEFAULT_WORKERS``; ``TEST_WORKERS`` sets another number) each run one pytest
 process at a time, taking the part that the most work waits on: its own expected time plus the
 longest chain of notebooks that read its results (lab 05 reads lab 01's and lab 03's baselines,
 ``lab.load_baseline``, so it starts only when they are done). Expected times are the last run's
-(``build/test-logs/durations.json``), else ``TYPICAL_S``. Both cores stay busy until the end
+(``build/test-logs/durations.json``), else ``TYPICAL_S``. Every core stays busy until the end
 whatever the mix: with vLLM's tests (CI) or without them the heavy half differs, and a fixed split
 (the notebooks in one process, tests/ in the other, until 2026-12-05) left one core idle for the
 last 8 minutes of a run without vLLM. Not pytest-xdist: with ``--dist loadgroup`` it ran a
@@ -46,11 +48,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = ROOT / "build" / "test-logs"
 TIMES = LOGS / "durations.json"
-WORKERS = 2
+# One worker per usable core, each part at one thread; at most this many unless TEST_WORKERS says
+# otherwise: a part may hold two engines (a lab comparing settings; SmolLM2 in fp32 is ~0.7 GiB of
+# weights and KV each), and a laptop with many cores may not have the memory for that many at
+# once. On this project's 2-core boxes: 2.
+MAX_DEFAULT_WORKERS = 4
+WORKERS_ENV = "TEST_WORKERS"
 NO_TESTS = 5   # pytest's exit status when nothing was selected: not a failure of that part
 
 # Test files that take minutes alone (a whole lab against a server, a browser, the docs site):
-# each is a part of its own, so the two workers can share them.
+# each is a part of its own, so the workers can share them.
 SLOW_FILES = ("tests/test_vllm_peer.py", "tests/test_lab_target.py", "tests/test_docs.py",
               "tests/test_browser.py")
 # Seconds each part took at one thread on the AVX2 host (2026-12-05, with vLLM): they only order
@@ -257,14 +264,27 @@ def report(parts: list[Part], total_s: float) -> int:
     return NO_TESTS if all(p.rc == NO_TESTS for p in parts) else 0
 
 
+def worker_count() -> int:
+    """``TEST_WORKERS`` if set (a positive integer), else one per usable core up to
+    ``MAX_DEFAULT_WORKERS``."""
+    text = os.environ.get(WORKERS_ENV, "").strip()
+    if not text:
+        return max(1, min(len(os.sched_getaffinity(0)), MAX_DEFAULT_WORKERS))
+    if not text.isdigit() or int(text) < 1:
+        raise SystemExit(f"{WORKERS_ENV} must be a whole number of workers, 1 or more; got {text!r}")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layout", choices=("two", "one"),
-                    default=os.environ.get("TEST_LAYOUT") or "two",
-                    help="two workers sharing the parts (default) or one process (TEST_LAYOUT)")
+    # "two" is the shared layout's older name (two workers on the 2-core boxes), kept as an alias.
+    ap.add_argument("--layout", choices=("shared", "two", "one"),
+                    default=os.environ.get("TEST_LAYOUT") or "shared",
+                    help="workers sharing the parts (default; TEST_WORKERS of them) or one process "
+                         "(TEST_LAYOUT)")
     args = ap.parse_args(own)
     env = {**os.environ, "MINSERVE_LAB_CI": "1"}
     tests, labs, extra = split_paths(extra)
@@ -275,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(parts) == 1:   # nothing to share: one process, printing as it runs
         return subprocess.call(pytest_cmd(parts[0].args, extra), cwd=ROOT,
                                env={**env, **part_threads(parts[0])})
-    return run_shared(parts, extra, env, workers=min(WORKERS, len(parts)))
+    return run_shared(parts, extra, env, workers=min(worker_count(), len(parts)))
 
 
 if __name__ == "__main__":

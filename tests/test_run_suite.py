@@ -100,3 +100,28 @@ def test_a_part_that_cannot_start_is_a_failure(sandbox, tmp_path, capsys):
     assert run_suite.run_shared([part], [], {}, workers=1) == 1
     out = capsys.readouterr().out
     assert "FAILED a" in out and "could not run: FileNotFoundError" in out and "1 failed: a" in out
+
+
+def test_one_worker_per_core_up_to_the_cap_unless_test_workers_says(monkeypatch):
+    monkeypatch.delenv("TEST_WORKERS", raising=False)
+    monkeypatch.setattr(run_suite.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert run_suite.worker_count() == 2                       # this project's 2-core boxes
+    monkeypatch.setattr(run_suite.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert run_suite.worker_count() == run_suite.MAX_DEFAULT_WORKERS == 4
+    monkeypatch.setenv("TEST_WORKERS", " 6 ")
+    assert run_suite.worker_count() == 6
+    for bad in ("0", "two", "-1", "1.5"):
+        monkeypatch.setenv("TEST_WORKERS", bad)
+        with pytest.raises(SystemExit, match=f"TEST_WORKERS must be a whole number of workers, 1 or more; got '{bad}'"):
+            run_suite.worker_count()
+
+
+def test_the_shared_layout_keeps_its_older_name(sandbox, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(run_suite, "pytest_cmd", lambda paths, extra: [sys.executable, "-c", "print('1 passed')"])
+    monkeypatch.setenv("TEST_WORKERS", "3")
+    (tmp_path / "labs").mkdir()
+    (tmp_path / "test_a.py").write_text("")
+    (tmp_path / "labs" / "01_b.py").write_text("")
+    for layout in ("shared", "two"):
+        assert run_suite.main(["--layout", layout, "--", "test_a.py", "labs/01_b.py"]) == 0
+        assert "2 parts, 2 workers" in capsys.readouterr().out   # never more workers than parts
