@@ -269,7 +269,11 @@ def worker_count() -> int:
     ``MAX_DEFAULT_WORKERS``."""
     text = os.environ.get(WORKERS_ENV, "").strip()
     if not text:
-        return max(1, min(len(os.sched_getaffinity(0)), MAX_DEFAULT_WORKERS))
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):   # macOS has no affinity call
+            cores = os.cpu_count() or 1
+        return max(1, min(cores, MAX_DEFAULT_WORKERS))
     if not text.isdigit() or int(text) < 1:
         raise SystemExit(f"{WORKERS_ENV} must be a whole number of workers, 1 or more; got {text!r}")
     return int(text)

@@ -108,6 +108,9 @@ def test_one_worker_per_core_up_to_the_cap_unless_test_workers_says(monkeypatch)
     assert run_suite.worker_count() == 2                       # this project's 2-core boxes
     monkeypatch.setattr(run_suite.os, "sched_getaffinity", lambda pid: set(range(16)))
     assert run_suite.worker_count() == run_suite.MAX_DEFAULT_WORKERS == 4
+    monkeypatch.delattr(run_suite.os, "sched_getaffinity")    # macOS: the core count instead
+    monkeypatch.setattr(run_suite.os, "cpu_count", lambda: 3)
+    assert run_suite.worker_count() == 3
     monkeypatch.setenv("TEST_WORKERS", " 6 ")
     assert run_suite.worker_count() == 6
     for bad in ("0", "two", "-1", "1.5"):
