@@ -45,9 +45,9 @@ def position_generator(req, position: int) -> torch.Generator | None:
 def draw_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from the distribution ``probs`` [V] (any non-negative weights): on a CPU by
     :func:`inverse_cdf` with one float64 uniform from ``generator``, elsewhere ``torch.multinomial``
-    (0.075 against 1.03 ms for a 49,152-token row, one thread, Zen 4 EPYC, benchmarks/
-    bench_sampler.py). For the draft method's
-    proposals and rejection sampling (spec/draft.py, spec/verify.py)."""
+    (0.075 against 1.03 ms for a 49,152-token row, one thread, Zen 4 EPYC,
+    benchmarks/bench_sampler.py). For the draft method's proposals and rejection sampling
+    (spec/draft.py, spec/verify.py)."""
     if probs.device.type != "cpu":
         return int(torch.multinomial(probs, 1, generator=generator))
     u = torch.rand(1, dtype=torch.float64, generator=generator)
@@ -64,8 +64,8 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     ``Tensor.exponential_`` computes one logarithm at a time, 0.96 ms per 49,152-token row (one
     thread, Zen 4 EPYC, 2026-12-06, benchmarks/bench_sampler.py), so 16 sampled rows spent ~15 ms
     of every decode step on noise, a third of a 16-row fp32 step; one sampler call over 16 rows at
-    temperature 0.8 took 17.7 ms with the race and takes 2.5 with this. A row with no probability left (a failed row: its token is not used) gets the
-    last id rather than one past it."""
+    temperature 0.8 took 17.7 ms with the race and takes 2.5 with this. A row with no probability
+    left (a failed row: its token is not used) gets the last id rather than one past it."""
     cdf = probs.double().cumsum_(dim=-1)
     total = cdf[:, -1]
     # u * total may round up to total itself (u just under 1), which no sum exceeds: keep the
