@@ -64,9 +64,10 @@ def load_model(name: str) -> LoadedModel:
 
 
 # Tokenizer classes that are the generic fast tokenizer (tokenizer.json) under either name.
-# ``AutoTokenizer`` imports the model's configuration modules first to resolve a class (~1.5 s:
-# torch.distributed among them), two thirds of an engine's start; a folder that names the class
-# already is loaded through it directly, the same object either way (tests/test_models.py).
+# ``AutoTokenizer`` imports the model's configuration modules first to resolve a class
+# (torch.distributed among them: most of an engine's start, see the "engine ready in" log line);
+# a folder that names the class already is loaded through it directly, the same object either way
+# (tests/test_models.py).
 _FAST_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
