@@ -142,7 +142,7 @@ def fill_kv_blocks(runner, blocks: int, seed: int = 0) -> None:
     """Write values into KV blocks 0 .. blocks - 1 of every layer (keys, values, int8 scales).
     Why: pages of the cache that were never written all map to the kernel's one zero page, so a
     step over them reads from cache, not DRAM, and its attention looks faster than over a real
-    context (batch 16 at 300 tokens on the AVX2 EPYC: 25-27 ms against 29.9; docs/performance.md)."""
+    context (batch 16 at 300 tokens on the AVX2 EPYC: 25-27 ms against 29.9; docs/performance/vllm-avx2-epyc.md)."""
     g = torch.Generator().manual_seed(seed)
     for layer in runner.kv_caches:   # (k, v) or, for an int8 cache, (k, v, k_scales, v_scales)
         for t in layer[:2]:

@@ -5,7 +5,7 @@ On this project's VM the arithmetic moves by 2-3x within minutes as other tenant
 the same cores (bench_roofline.host_probe in the rounds of 2026-12-06's runs: the AMX tile loop
 1,705 to 4,956 GFLOP/s, 1,728 and 4,956 within one run). ``bench_vs_vllm.py`` and
 ``bench_vs_vllm_serve.py`` alternate their engines and take medians, which evens out noise that
-hits every engine alike; a slow phase that falls on one engine's rounds only does not even out. Run G of bench_vs_vllm (docs/performance.md)
+hits every engine alike; a slow phase that falls on one engine's rounds only does not even out. Run G of bench_vs_vllm (docs/performance/vllm-xeon-targets.md)
 had both of minserve bf16's rounds in the tiles' fast phase and both of vLLM bf16's in the slow
 one, and its bf16 mixed ratio read 1.61 against 1.35 in run F: :func:`phase_notes` says so under
 the ratios instead of leaving it to a reader to compare the probe lines.

@@ -50,7 +50,7 @@
  * vectors in 16 ymm, each input vector read by the FMA itself, 7 loads per 12 multiply-adds; the
  * 1 x 8 block before it needed 9 loads per 8 and kept only 8 FMAs in flight, fewer than the FMA
  * units' latency x throughput (one product at 16 rows in a scratch timing, 57-68 -> 62-85 GFLOP/s;
- * the step in docs/performance.md, bench_quant.py's per-part profile). */
+ * the step in docs/performance/vllm-avx2-epyc.md, bench_quant.py's per-part profile). */
 #if defined(__AVX512F__)
 #define DENSE_ROW_BLOCK 4
 #define DENSE_BATCH_PASS 6

@@ -3,7 +3,7 @@
 ``quantization_config={"activations": "int8"}`` (with ``int8``, ``int4`` or ``int4-awq``) makes
 the fused CPU decode step quantize each matrix's input rows on the fly, in blocks of 32 columns,
 and multiply them into the weight codes with integer dot products (AVX-512 VNNI). Why: at batch 16
-the weight-only loops are bound by float arithmetic, not by memory (docs/performance.md, "Where
+the weight-only loops are bound by float arithmetic, not by memory (docs/performance/quantization.md, "Where
 fewer bytes became speed"); integer dot products do 4x more multiply-adds per instruction.
 
 What it changes: per block of 32 input features of one row, ``d = max|x| / 127`` and
