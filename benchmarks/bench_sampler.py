@@ -8,17 +8,21 @@ Parts (one thread unless said, SmolLM2's 49,152-token vocabulary):
   against one row's inverse-CDF draw (``engine/draws.py``: ``draw_token``) and
   ``torch.multinomial``;
 - filters: ``topk`` of 1,024 and 8,192 and a full sort over 16 rows (``sampler.NUCLEUS_WINDOW``,
-  ``NUCLEUS_WIDE_WINDOW``);
+  ``NUCLEUS_WIDE_WINDOW``); the top-p filter (``sampler.apply_top_k_top_p``, top_p 0.95) over 16
+  rows from peaked to flat, in kernels/nucleus.c and in the torch windows
+  (``MINSERVE_SAMPLER_FILTERS=torch``);
 - sampler: one ``Sampler`` call over 16 rows, by parameters (temperature, flat top-p, top-k),
   the CPU's inverse CDF against the exponential race on the same rows;
 - decode: 16 requests of 32 prompt and 96 output tokens, temperature 0.8 (unseeded and seeded),
   through the engine with the race and with the inverse CDF, alternating in one process, and
-  greedy beside them (tok/s, every round printed).
+  greedy beside them (tok/s, every round printed); then temperature 0.8 with top_p 0.95, the
+  filter in C and in the torch windows, alternating.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -32,6 +36,7 @@ from minserve.sampling_params import SamplingParams
 
 VOCAB = 49152
 ROWS = 16
+FILTERS_ENV = "MINSERVE_SAMPLER_FILTERS"
 
 
 def ms(fn, n: int = 30) -> float:
@@ -60,6 +65,33 @@ def noise_and_filters() -> None:
     print(f"{ROWS} rows, one thread: topk 1024 {ms(lambda: x.topk(1024, dim=-1), 10):.1f} ms, "
           f"topk 8192 {ms(lambda: x.topk(8192, dim=-1), 10):.1f} ms, "
           f"sort {ms(lambda: x.sort(dim=-1, descending=True), 10):.1f} ms")
+
+
+def with_filters(choice: str, fn):
+    """``fn()`` with the sampler's top-p filter in C ("c") or in the torch windows ("torch")."""
+    before = os.environ.get(FILTERS_ENV)
+    os.environ[FILTERS_ENV] = choice
+    try:
+        return fn()
+    finally:
+        if before is None:
+            os.environ.pop(FILTERS_ENV, None)
+        else:
+            os.environ[FILTERS_ENV] = before
+
+
+def top_p_filters() -> None:
+    torch.set_num_threads(1)
+    params = [SamplingParams(temperature=1.0, top_p=0.95)] * ROWS
+    for name, scale in (("peaked rows (randn x 8)", 8.0), ("randn x 3", 3.0), ("flat rows (randn x 0.5)", 0.5)):
+        x = torch.randn(ROWS, VOCAB, generator=torch.Generator().manual_seed(1)) * scale
+        y = torch.empty_like(x)
+        copy = ms(lambda: y.copy_(x), 10)
+        out = {c: with_filters(c, lambda: ms(lambda: sampler_mod.apply_top_k_top_p(y.copy_(x), params), 10)) - copy
+               for c in ("c", "torch")}
+        kept = statistics.median((y > float("-inf")).sum(dim=1).tolist())
+        print(f"top_p 0.95 filter, {ROWS} rows, one thread, {name}: C {out['c']:.2f} ms, "
+              f"torch windows {out['torch']:.2f} ms ({kept:.0f} tokens kept a row)")
 
 
 def sampler_calls() -> None:
@@ -102,6 +134,16 @@ def decode(dtype: str, rounds: int) -> None:
         print(f"decode {dtype}, {'seeded' if seeded else 'unseeded'}, temperature 0.8, tok/s: "
               + "; ".join(f"{k} {', '.join(f'{v:.0f}' for v in vs)} (median {statistics.median(vs):.0f})"
                           for k, vs in res.items()), flush=True)
+    top_p = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=96, ignore_eos=True)] * ROWS
+    res = {"C": [], "torch windows": []}
+    for _ in range(rounds):
+        for label, choice in (("C", "c"), ("torch windows", "torch")):
+            t = time.perf_counter()
+            with_filters(choice, lambda: llm.generate(prompts, top_p, use_tqdm=False))
+            res[label].append(ROWS * 96 / (time.perf_counter() - t))
+    print(f"decode {dtype}, temperature 0.8, top_p 0.95, tok/s: "
+          + "; ".join(f"filter in {k} {', '.join(f'{v:.0f}' for v in vs)} (median {statistics.median(vs):.0f})"
+                      for k, vs in res.items()), flush=True)
 
 
 def main() -> None:
@@ -111,6 +153,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     args = ap.parse_args()
     noise_and_filters()
+    top_p_filters()
     sampler_calls()
     if not args.no_decode:
         for dtype in args.dtypes.split(","):

@@ -134,6 +134,7 @@ def test_nucleus_window_and_its_fallback_are_exact(monkeypatch, top_p):
     # With a 2-token window and a 3-token wide one, top_p=0.5 fits in the first, 0.8 in the
     # second, 0.97 needs the full-sort fallback; mixing a second logits row whose nucleus is
     # narrower puts two paths in one call.
+    monkeypatch.setenv("MINSERVE_SAMPLER_FILTERS", "torch")   # the windows, not kernels/nucleus.c
     monkeypatch.setattr(sampler_mod, "NUCLEUS_WINDOW", 2)
     monkeypatch.setattr(sampler_mod, "NUCLEUS_WIDE_WINDOW", 3)
     sharp = [4.0, 1.0, 0.5, 0.0, -0.5, -1.0]

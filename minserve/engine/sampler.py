@@ -41,9 +41,11 @@ import torch
 
 from minserve.engine.draws import inverse_cdf, position_generator
 from minserve.engine.penalties import apply_logits_controls, needs_output_ids
+from minserve.kernels import nucleus
 from minserve.sampling_params import SamplingParams
 
-# Top-p rows without top-k look for their nucleus among this many best tokens first, then among
+# Top-p rows without top-k go to kernels/nucleus.c where it applies. Elsewhere (and with
+# MINSERVE_SAMPLER_FILTERS=torch) they look for their nucleus among this many best tokens first, then among
 # NUCLEUS_WIDE_WINDOW (exact: rows whose nucleus is wider still fall back to a full sort). LLM
 # nuclei at top_p <= 0.95 are usually far smaller; the constants only trade the cost of a topk
 # against how often the next step runs. [16, 49152], one thread, Zen 4 EPYC (2026-12-06,
@@ -309,7 +311,10 @@ def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> Non
     """In place: set to -inf the tokens outside each row's top-k, then outside its top-p nucleus
     (row ``j`` by ``params[j]``).
 
-    A full sort of [R, V] costs ~25x a ``topk`` of 1024 on CPU, so rows are processed in a window
+    Rows with top-p and no top-k go to kernels/nucleus.c where it applies (float32 on the CPU): it
+    bins each row and sorts only the bin where the nucleus ends, 3-25x faster than the windows
+    below (benchmarks/bench_sampler.py). Otherwise, since a full sort of [R, V] costs ~25x a
+    ``topk`` of 1024 on CPU, rows are processed in a window
     of their best tokens: exactly ``top_k`` of them when top-k is on, else ``NUCLEUS_WINDOW``
     (then ``NUCLEUS_WIDE_WINDOW``, then a full sort, for the rare row whose nucleus is wider). Rows are grouped by
     window size and the size never depends on other rows, so a row's result does not depend on
@@ -323,6 +328,9 @@ def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> Non
             windows.setdefault((p.top_k, True), []).append(j)
         elif p.top_p < 1.0:
             windows.setdefault((min(NUCLEUS_WINDOW, vocab), False), []).append(j)
+    nucleus_rows = windows.get((min(NUCLEUS_WINDOW, vocab), False), [])
+    if nucleus_rows and nucleus.top_p_(logits, nucleus_rows, [params[j].top_p for j in nucleus_rows]):
+        del windows[(min(NUCLEUS_WINDOW, vocab), False)]   # the C filter took the top-p-only rows
     for (window, is_top_k), rows in windows.items():
         wide = _truncate_rows(logits, rows, window, is_top_k, params)
         if wide and window < NUCLEUS_WIDE_WINDOW < vocab:
