@@ -99,6 +99,12 @@ def source_files(name: str) -> list[Path]:
     return files
 
 
+def kernel_names() -> list[str]:
+    """Every C kernel this package can build: the ``<name>.c`` files beside this one (each compiles
+    on its own into ``lib<name>-<key>.so``; the ``.h`` files are parts of them)."""
+    return sorted(p.stem for p in SOURCE_DIR.glob("*.c"))
+
+
 def vendor_flags() -> list[str]:
     """Defines that depend on the CPU's maker rather than its features. ``MS_PREFETCH_L2`` on AMD:
     the software prefetches ahead of the decode step's weight and KV streams go into L2 there

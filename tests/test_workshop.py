@@ -68,11 +68,11 @@ def _chmod_tree(root: Path, remove: int = 0, add: int = 0) -> None:
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    """A cache prepared through the CLI (tiny-llama and the decode kernel), probe faked (slow).
-    The checkout's decode build is put in first: prepare finds it there rather than compiling
-    decode.c again (~20 s), and must still report it as its kernel step."""
+    """A cache prepared through the CLI (tiny-llama and every C kernel), probe faked (slow).
+    The checkout's kernel builds are put in first: prepare finds them there rather than compiling
+    decode.c again (~20 s), and must still report each as its kernel step."""
     root = tmp_path_factory.mktemp("prepared") / "cache"
-    seeded = seed_kernel_cache(root)
+    seeded = {name: seed_kernel_cache(root, name) for name in kernel_build.kernel_names()}
     mp = pytest.MonkeyPatch()
     mp.setattr(probe, "measure", lambda: {"key": probe.machine_key(), "memory_bytes": 2**33,
                                           "bandwidth_bytes_per_s": 2e10, "fp32_flops_per_s": 1e11,
@@ -81,15 +81,18 @@ def prepared(tmp_path_factory):
     with contextlib.redirect_stdout(report):
         assert main(["prepare", "--cache-dir", str(root), "--model", "tiny-llama"]) == 0
     mp.undo()
-    kernel_row = next(ln for ln in report.getvalue().splitlines() if "kernel decode" in ln)
-    assert " ok " in kernel_row and str(seeded) in kernel_row, report.getvalue()
+    for name, path in seeded.items():
+        kernel_row = next(ln for ln in report.getvalue().splitlines() if f"kernel {name} " in ln)
+        assert " ok " in kernel_row and str(path) in kernel_row, report.getvalue()
     yield root
     _chmod_tree(root, add=stat.S_IWUSR)  # let pytest clean up
 
 
 def test_prepare_makes_a_cache_everyone_can_read(prepared, capsys):
     assert (prepared / "tiny-llama-v2-seed0" / ".minserve-complete").is_file()
-    assert list((prepared / "kernels").glob("libdecode-*.so")) and list((prepared / "probe").glob("*.json"))
+    assert list((prepared / "probe").glob("*.json"))
+    for name in ("decode", "prefill_attention", "quant", "token_ops", "nucleus"):   # not only decode
+        assert list((prepared / "kernels").glob(f"lib{name}-*.so")), name
     for p in [prepared, *prepared.rglob("*")]:  # other accounts (the participants) can read it
         mode = p.stat().st_mode
         assert mode & stat.S_IROTH and (not p.is_dir() or mode & stat.S_IXOTH), p
@@ -113,6 +116,8 @@ def test_read_only_prepared_cache_is_only_read(prepared, monkeypatch):
         assert get_hardware("this").bandwidth_bytes_per_s == 2e10
         run = doctor.run_checks(short=True)
         assert "read-only" in next(c for c in run if c.check == "model cache").detail or os.geteuid() == 0
+        kernels = next(c for c in run if c.check == "C kernels")
+        assert kernels.status == "ok" and kernels.detail.startswith("all "), kernels
     finally:
         kernel_build.load.cache_clear()
     assert _snapshot(prepared) == before
@@ -140,7 +145,7 @@ def test_doctor_rows(monkeypatch, tmp_path):
     monkeypatch.setenv("MINSERVE_CACHE", str(tmp_path / "empty"))
     rows = doctor.run_checks(short=True)
     names = [r.check for r in rows]
-    assert names[:8] == ["python", "torch", "CPU", "C compiler", "decode kernel", "model cache", "memory",
+    assert names[:8] == ["python", "torch", "CPU", "C compiler", "C kernels", "model cache", "memory",
                          "lab packages"]
     assert all(r.status in ("ok", "warn", "fail") for r in rows)
     assert not (tmp_path / "empty").exists()  # the short form writes nothing
@@ -151,6 +156,21 @@ def test_doctor_rows(monkeypatch, tmp_path):
     cache = doctor._model_cache(short=True)
     assert cache.status == "fail" and "minserve prepare --cache-dir" in cache.fix
     assert "fix" in doctor.format_checks([cache], short=True)
+
+
+def test_doctor_names_the_kernels_a_read_only_cache_lacks(monkeypatch, tmp_path):
+    """Only decode prepared, the cache read-only: the row names every other kernel, and the fix."""
+    cache = tmp_path / "cache"
+    seed_kernel_cache(cache, "decode")
+    monkeypatch.setenv("MINSERVE_CACHE", str(cache))
+    monkeypatch.setattr(doctor, "_writable", lambda path: False)
+    row = doctor._kernels(short=True)
+    others = [n for n in kernel_build.kernel_names() if n != "decode"]
+    assert row.status == "warn" and row.fix.startswith("minserve prepare"), row
+    assert all(n in row.detail for n in others) and "decode," not in row.detail, row.detail
+    monkeypatch.setattr(doctor, "_writable", lambda path: True)
+    row = doctor._kernels(short=True)
+    assert row.status == "ok" and f"1 of {len(others) + 1} built" in row.detail, row
 
 
 @pytest.mark.parametrize("flags,says", [

@@ -12,12 +12,12 @@ def _prepare(argv: list[str]) -> int:
     from minserve.workshop.prepare import DEFAULT_MODELS, prepare
     ap = argparse.ArgumentParser(
         prog="minserve prepare",
-        description="Convert the models, compile the decode kernel and measure this machine into a cache "
+        description="Convert the models, compile the C kernels and measure this machine into a cache "
                     "that participants' sessions then only read (MINSERVE_CACHE=DIR).")
     ap.add_argument("--cache-dir", help="the cache to fill (default: $MINSERVE_CACHE or ~/.cache/minserve)")
     ap.add_argument("--model", action="append", dest="models",
                     help=f"alias or directory; repeatable (default: {', '.join(DEFAULT_MODELS)})")
-    ap.add_argument("--no-kernel", action="store_true", help="skip compiling the fused decode kernel")
+    ap.add_argument("--no-kernel", action="store_true", help="skip compiling the C kernels")
     ap.add_argument("--no-probe", action="store_true", help="skip measuring this machine for `minserve plan`")
     a = ap.parse_args(argv)
     steps = prepare(a.cache_dir, tuple(a.models or DEFAULT_MODELS), kernel=not a.no_kernel, probe=not a.no_probe)

@@ -3,7 +3,7 @@
 The first cell of every lab runs ``run_checks(short=True)`` and prints ``format_checks(...)``, so a
 participant whose session is broken learns why, and what to type, before a long cell fails
 half-way. Every check is wrapped: one that crashes becomes a ``fail`` row, never a traceback.
-``short=True`` is fast and writes nothing; the full check also builds and loads the decode kernel.
+``short=True`` is fast and writes nothing; the full check also builds and loads the C kernels.
 """
 
 from __future__ import annotations
@@ -58,25 +58,33 @@ def _compiler(short: bool) -> Check:
     return Check("C compiler", "ok", (first.splitlines() or [cc])[0] if not short else cc)
 
 
-def _kernel(short: bool) -> Check:
-    from minserve.kernels.build import KernelUnavailable, library_path, load
+def _kernels(short: bool) -> Check:
+    """The C kernels (the fused decode step, prefill attention, quantized products, ...): built for
+    this CPU, or buildable. One missing from a read-only cache runs in PyTorch instead: slower."""
+    from minserve.kernels.build import KernelUnavailable, kernel_names, library_path, load
     fix = "minserve prepare (with write access to the cache)"
+    names = kernel_names()
     try:
-        path = library_path("decode")
+        missing = [n for n in names if not library_path(n).exists()]
     except KernelUnavailable as e:
-        return Check("decode kernel", "warn", f"{e}; decode runs in PyTorch", "apt install gcc")
+        return Check("C kernels", "warn", f"{e}; their steps run in PyTorch", "apt install gcc")
     if short:
-        if path.exists():
-            return Check("decode kernel", "ok", "built for this CPU")
-        writable = _writable(path.parent)
-        return Check("decode kernel", "ok" if writable else "warn",
-                     "not built yet: compiles at first use (~1 s)" if writable
-                     else "not built and the cache is read-only: decode runs in PyTorch", "" if writable else fix)
-    try:
-        load("decode")  # builds it if missing, as the first engine would
-    except KernelUnavailable as e:
-        return Check("decode kernel", "warn", f"{e}; decode runs in PyTorch", fix)
-    return Check("decode kernel", "ok", f"built and loaded: {path}")
+        if not missing:
+            return Check("C kernels", "ok", f"all {len(names)} built for this CPU")
+        if _writable(library_path(missing[0]).parent):
+            return Check("C kernels", "ok", f"{len(names) - len(missing)} of {len(names)} built; "
+                                            f"{', '.join(missing)} compile at first use (seconds each)")
+        return Check("C kernels", "warn", f"{', '.join(missing)} not built and the cache is read-only: "
+                                          "what they run falls back to PyTorch", fix)
+    failed = []
+    for name in names:
+        try:
+            load(name)  # builds it if missing, as the first engine would
+        except KernelUnavailable as e:
+            failed.append(f"{name}: {e}")
+    if failed:
+        return Check("C kernels", "warn", "; ".join(failed) + " (falls back to PyTorch)", fix)
+    return Check("C kernels", "ok", f"all {len(names)} built and loaded: {library_path(names[0]).parent}")
 
 
 def _cpu(short: bool) -> Check:
@@ -176,7 +184,7 @@ def _lab_packages(short: bool) -> Check:
     return Check("lab packages", "ok", "jupyterlab, ipywidgets, pandas, matplotlib")
 
 
-CHECKS = (_python, _torch, _cpu, _compiler, _kernel, _model_cache, _memory, _gpu, _lab_packages)
+CHECKS = (_python, _torch, _cpu, _compiler, _kernels, _model_cache, _memory, _gpu, _lab_packages)
 
 
 def run_checks(short: bool = False) -> list[Check]:

@@ -1,7 +1,7 @@
 """``minserve prepare``: fill a model cache once, so participants' sessions only read it.
 
-On a workshop box, one account (the organiser's) converts the default model, compiles the fused
-decode kernel for this CPU and measures the machine for ``minserve plan --hardware this``; the
+On a workshop box, one account (the organiser's) converts the default model, compiles every C
+kernel for this CPU and measures the machine for ``minserve plan --hardware this``; the
 participants' sessions point ``MINSERVE_CACHE`` at that directory, which they may not be able to
 write. Loading a prepared model or kernel writes nothing (models/loader.py, kernels/build.py), so
 a read-only cache works, and forty participants do not each spend 30 s converting the same GGUF.
@@ -58,15 +58,22 @@ def _model(name: str) -> str:
     return str(loaded.path)
 
 
-def _kernel() -> Step:
-    from minserve.kernels.build import KernelUnavailable, build, load
-    t0 = time.perf_counter()
-    try:
-        path = build("decode")
-        load("decode")
-    except KernelUnavailable as e:  # the engine falls back to PyTorch: slower, not broken
-        return Step("kernel decode", "warn", f"{e} (decode steps will run in PyTorch)")
-    return Step("kernel decode", "ok", f"{path} ({time.perf_counter() - t0:.1f} s)")
+def _kernels() -> list[Step]:
+    """Every C kernel, not only the fused decode step's: a read-only cache cannot build one later,
+    and what a missing kernel runs (prefill attention, quantized products, the sampler's top-p
+    filter, ...) would fall back to PyTorch, slower, for every participant."""
+    from minserve.kernels.build import KernelUnavailable, build, kernel_names, load
+    steps = []
+    for name in kernel_names():
+        t0 = time.perf_counter()
+        try:
+            path = build(name)
+            load(name)
+        except KernelUnavailable as e:  # the engine falls back to PyTorch: slower, not broken
+            steps.append(Step(f"kernel {name}", "warn", f"{e} (what it runs falls back to PyTorch)"))
+            continue
+        steps.append(Step(f"kernel {name}", "ok", f"{path} ({time.perf_counter() - t0:.1f} s)"))
+    return steps
 
 
 def _probe() -> str:
@@ -92,7 +99,7 @@ def share_read_only(root: Path) -> None:
 
 def prepare(cache_dir: str | Path | None = None, models: tuple[str, ...] = DEFAULT_MODELS,
             kernel: bool = True, probe: bool = True) -> list[Step]:
-    """Convert ``models``, build the decode kernel and measure this machine into ``cache_dir``
+    """Convert ``models``, build every C kernel and measure this machine into ``cache_dir``
     (default: ``$MINSERVE_CACHE`` or ``~/.cache/minserve``). Returns one :class:`Step` per item."""
     with using_cache(cache_dir):
         from minserve.config import cache_dir as current
@@ -103,7 +110,7 @@ def prepare(cache_dir: str | Path | None = None, models: tuple[str, ...] = DEFAU
             return [Step("cache", "fail", f"cannot create {root}: {e}")]
         steps = [_timed(f"model {m}", lambda m=m: _model(m)) for m in models]
         if kernel:
-            steps.append(_kernel())
+            steps += _kernels()
         if probe:
             steps.append(_timed("probe this machine", _probe))
         try:
