@@ -55,6 +55,8 @@ def top_p_(logits: torch.Tensor, rows: list[int], top_p: list[float], num_thread
         return True
     if min(rows) < 0 or max(rows) >= logits.shape[0]:
         raise ValueError(f"top_p_: rows must be in [0, {logits.shape[0]}), got {rows}")
+    if len(set(rows)) != len(rows):   # two threads would filter one row at once
+        raise ValueError(f"top_p_: rows must be distinct, got {rows}")
     row_ids = torch.tensor(rows, dtype=torch.int64)
     ps = torch.tensor(top_p, dtype=torch.float32)
     rc = _library().ms_top_p(logits.data_ptr(), logits.stride(0), logits.shape[1], row_ids.data_ptr(),

@@ -114,6 +114,8 @@ def test_bad_arguments_are_refused():
         nucleus.top_p_(logits, [2], [0.5])
     with pytest.raises(ValueError, match="2 rows but 1 top_p"):
         nucleus.top_p_(logits, [0, 1], [0.5])
+    with pytest.raises(ValueError, match="rows must be distinct"):
+        nucleus.top_p_(logits, [1, 1], [0.5, 0.9])
 
 
 @pytest.mark.parametrize("seed", [1, 2])
