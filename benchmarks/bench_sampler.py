@@ -1,6 +1,6 @@
 """What sampling costs on this CPU: the noise, the filters, one sampler call, and decode throughput.
 
-    .venv/bin/python benchmarks/bench_sampler.py            # everything (~3 min on 2 cores)
+    .venv/bin/python benchmarks/bench_sampler.py            # everything (~4 min on 2 cores)
     .venv/bin/python benchmarks/bench_sampler.py --no-decode
 
 Parts (one thread unless said, SmolLM2's 49,152-token vocabulary):
