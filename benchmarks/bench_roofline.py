@@ -24,8 +24,8 @@ ceilings here and then times the three step types that decide a server's behavio
   sizes, minserve's C (the fused step's float32 product, kernels/decode.c, and its bfloat16 one: the
   vector loop and, where the CPU has them, AMX tiles, kernels/amx_bf16.h); the prefill attention
   in PyTorch's CPU flash SDPA and in minserve's C (kernels/prefill_attention.c), in GFLOP/s; and
-  the W8A8 product in minserve's C (per-32-column input scales) and in oneDNN's int8 GEMM
-  (``torch._int_mm``, per-row input scales), in GOP/s.
+  the W8A8 and W4A8 products in minserve's C (per-32-column input scales) and the int8 one in
+  oneDNN's int8 GEMM (``torch._int_mm``, per-row input scales), in GOP/s.
 
 For each step and format the table gives the measured step time, the arithmetic it did (the
 planner's formulas, minserve/plan/budget.py: matmuls of every layer, attention, the LM head of the
@@ -233,17 +233,20 @@ def _c_bf16_matmul(kind: str):
 
 
 def _int8_rates(x, w) -> dict:
-    """GOP/s of the W8A8 product two ways: minserve's C loops (kernels/quant_a8.h: the input
-    quantized per block of 32 columns inside the call, the scheme `minserve eval` passes) and
-    oneDNN's int8 GEMM (``torch._int_mm``) on inputs already quantized with one scale per row,
-    the coarser scheme such a GEMM needs (the per-row scales are applied outside it). None where
-    a path is missing (no C compiler; an int8 GEMM this torch build lacks)."""
+    """GOP/s of the int8-activation products: minserve's C loops (kernels/quant_a8.h: the input
+    quantized per block of 32 columns inside the call, the scheme `minserve eval` passes) for W8A8
+    and W4A8 (int4 g32), and oneDNN's int8 GEMM (``torch._int_mm``) on inputs already quantized
+    with one scale per row, the coarser scheme such a GEMM needs (the per-row scales are applied
+    outside it). None where a path is missing (no C compiler; an int8 GEMM this torch build lacks)."""
     import torch
     from minserve.kernels.quant import a8_isa, linear_a8
-    from minserve.quant.formats import quantize_int8
+    from minserve.quant.formats import quantize_int4, quantize_int8
     codes, scales = quantize_int8(w)
+    int4 = quantize_int4(w, 32)
     ops, out = 2 * x.shape[0] * x.shape[1] * w.shape[0], {}
     out["minserve C int8 a8"] = (ops / _median_time(lambda: linear_a8(x, 8, codes, scales, None, 0)) / 1e9
+                                 if a8_isa() else None)
+    out["minserve C int4 a8"] = (ops / _median_time(lambda: linear_a8(x, 4, *int4, 32)) / 1e9
                                  if a8_isa() else None)
     xq = torch.randint(-127, 128, x.shape, dtype=torch.int8)
     try:
@@ -306,7 +309,8 @@ def kernel_rates() -> list[dict]:
         rows.append({"kernel": f"causal attention, 1024 tokens, {str(dtype).replace('torch.', '')}",
                      "MKL fp32": None, "oneDNN fp32": None, bf16_name: None, "minserve C": c,
                      "minserve bf16 tiles": None, "minserve fp32 split tiles": None, "flash SDPA": flops / t / 1e9,
-                     "minserve C int8 a8": None, "oneDNN int8": None, **dict.fromkeys(c_bf16)})
+                     "minserve C int8 a8": None, "minserve C int4 a8": None, "oneDNN int8": None,
+                     **dict.fromkeys(c_bf16)})
     return rows
 
 

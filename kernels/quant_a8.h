@@ -30,6 +30,7 @@
 #ifndef MINSERVE_QUANT_A8_H
 #define MINSERVE_QUANT_A8_H
 #include <math.h>
+#include <stdlib.h>   /* aligned_alloc, free: the packed tile (quant_a8_packed.h) */
 #include <string.h>
 
 #include "quant_dot.h"   /* QWeight, ROW_TILE (16: one vector of rows), omp */
@@ -299,6 +300,9 @@ int8_a8_tile(const QWeight *w, int64_t r0, int64_t r1, Activations8 act, float *
     store_tile(out, w->bias, r0, r1, y, ldy, nb, accumulate);
 }
 
+#define A8_PACKED   /* int4 weights at prefill sizes: each tile unpacked once per call */
+#include "quant_a8_packed.h"
+
 #elif defined(__AVX2__) && defined(__FMA__)
 #define A8_ISA "avx2"
 /* AVX2 has no vpdpbusd. Its nearest, vpmaddubsw, multiplies 32 unsigned bytes by 32 signed ones
@@ -488,9 +492,18 @@ static int64_t qmatmul_a8(const QWeight *w, const float *x, Activations8 act, fl
     {
         #pragma omp master
         team = omp_get_num_threads();
+#ifdef A8_PACKED   /* a thread's copy of one tile; without it, the per-pass transposes below */
+        __m512i *packed = w->bits == 4 && B >= A8_PACKED_MIN_ROWS ? aligned_alloc(64, a8_packed_bytes(w)) : NULL;
+#endif
         #pragma omp for schedule(static) nowait
         for (int64_t t = 0; t < tiles; t++) {
             int64_t r0 = t * ROW_TILE, r1 = r0 + ROW_TILE < w->out ? r0 + ROW_TILE : w->out;
+#ifdef A8_PACKED
+            if (packed) {
+                int4_a8_packed_rows(w, r0, r1, act, y, B, accumulate, packed);
+                continue;
+            }
+#endif
 #ifdef A8_RUNTIME_BATCH
             a8_tile(w, r0, r1, act, y, w->out, B, accumulate);
 #else
@@ -508,6 +521,9 @@ static int64_t qmatmul_a8(const QWeight *w, const float *x, Activations8 act, fl
             }
 #endif
         }
+#ifdef A8_PACKED
+        free(packed);
+#endif
     }
     return team;
 }
