@@ -2,7 +2,7 @@
  *
  * Why: the sampler found each top-p row's nucleus with `topk` over a window of its best tokens,
  * then a wider window, then a full sort when the nucleus was wider still: over 16 rows of
- * SmolLM2's 49,152 logits, one thread, 6.6 ms for a window of 1,024 and 55 ms for a full sort
+ * SmolLM2's 49,152 logits, one thread, 6.6-7.5 ms for a window of 1,024 and 55 ms for a full sort
  * (benchmarks/bench_sampler.py, Zen 4 EPYC), where a batch-16 decode step takes ~20-40 ms. The
  * filter needs no order among the tokens it keeps, only where the nucleus ends: the logit where
  * the probability of the tokens above it reaches top_p. So each row is binned instead: NBINS

@@ -58,7 +58,7 @@ int4_a8_packed_tile(const QWeight *w, const __m512i *packed, int64_t r0, int64_t
     for (int64_t k = 0; k < blocks; k++) {
         __m512i dot[A8_PACKED_PASS];
         for (int b = 0; b < nb; b++) dot[b] = _mm512_setzero_si512();
-        for (int j = 0; j < 8; j++) {   /* low nibbles: bytes 8i .. 8i + 3 of the codes; high: + 4 */
+        for (int j = 0; j < 8; j++) {   /* activation codes in int4 order: 8 (j % 4) + 4 (j / 4) */
             const __m512i Tj = _mm512_load_si512(packed + 8 * k + j);
             const int64_t at = k * A8_BLOCK + 8 * (j % 4) + 4 * (j / 4);
             for (int b = 0; b < nb; b++) dot[b] = _mm512_dpbusd_epi32(dot[b], Tj, bcast4(act.codes + b * in + at));
@@ -81,7 +81,7 @@ static inline size_t a8_packed_bytes(const QWeight *w) {
 /* Rows [r0, r1) of y for all B inputs of an int4 weight through one packed copy of the tile
  * (scratch: a8_packed_bytes, 64-byte aligned). */
 static void int4_a8_packed_rows(const QWeight *w, int64_t r0, int64_t r1, Activations8 act, float *y,
-                           int64_t B, int accumulate, __m512i *scratch) {
+                                int64_t B, int accumulate, __m512i *scratch) {
     const uint8_t *rows[ROW_TILE];
     int64_t row_ids[ROW_TILE];
     tile_rows(w->codes, w->in / 2, r0, r1, rows, row_ids);
