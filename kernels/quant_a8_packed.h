@@ -6,11 +6,9 @@
  * A8_BATCH_PASS inputs. At decode sizes that is one or two passes; a 1024-token prefill chunk
  * makes 128. Here a tile is unpacked into a per-thread buffer once per call (16 rows x in bytes,
  * plus two vectors per group), which stays in L1 / L2 while every input row of the call passes
- * over it, A8_PACKED_PASS inputs at a time. Measured in one process, the two builds alternating
- * (ms_linear_a8, two threads, 1024 rows, medians of 15 calls, Zen 4 EPYC, 2026-12-07, two runs):
- * 576 -> 1536 247 -> 329 and 263 -> 371 GOP/s, 1536 -> 576 282 -> 332 and 342 -> 426, 576 -> 576
- * 335 -> 468 and 294 -> 427. The same done for int8 weights (no nibbles, no group scales)
- * measured 0.86-1.09x: their transposes run beside the dot products, so int8 keeps its passes.
+ * over it, A8_PACKED_PASS inputs at a time. What it measured, and why int8 weights (no nibbles, no
+ * group scales: their transposes run beside the dot products) keep their passes, is on
+ * docs/performance/vllm-zen4.md; benchmarks/bench_roofline.py's kernel table times both formats.
  *
  * The integers and the order of the float operations are int4_a8_tile's (each block's exact int32
  * dot product, converted and scaled into the row's running sum block by block, then the min

@@ -322,15 +322,16 @@ def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> Non
     the k-th value are broken by ``topk`` (vLLM keeps all tied tokens: rare with float logits).
     """
     vocab = logits.shape[1]
+    nucleus_window = (min(NUCLEUS_WINDOW, vocab), False)
     windows: dict[tuple[int, bool], list[int]] = {}
     for j, p in enumerate(params):
         if 0 < p.top_k < vocab:
             windows.setdefault((p.top_k, True), []).append(j)
         elif p.top_p < 1.0:
-            windows.setdefault((min(NUCLEUS_WINDOW, vocab), False), []).append(j)
-    nucleus_rows = windows.get((min(NUCLEUS_WINDOW, vocab), False), [])
-    if nucleus_rows and nucleus.top_p_(logits, nucleus_rows, [params[j].top_p for j in nucleus_rows]):
-        del windows[(min(NUCLEUS_WINDOW, vocab), False)]   # the C filter took the top-p-only rows
+            windows.setdefault(nucleus_window, []).append(j)
+    top_p_only = windows.get(nucleus_window, [])
+    if top_p_only and nucleus.top_p_(logits, top_p_only, [params[j].top_p for j in top_p_only]):
+        del windows[nucleus_window]   # the C filter took the top-p-only rows
     for (window, is_top_k), rows in windows.items():
         wide = _truncate_rows(logits, rows, window, is_top_k, params)
         if wide and window < NUCLEUS_WIDE_WINDOW < vocab:
