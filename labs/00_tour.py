@@ -30,8 +30,8 @@
 #
 # **Against a server** (`MINSERVE_LAB_TARGET=http://host:port`): this tour builds its own engine
 # (`LLM(...)` with the settings it explains, and it steps that engine by hand), so it runs in the
-# notebook even when `MINSERVE_LAB_TARGET` is set. One cell, in section 8, also sends its eight
-# requests to the target's server, to show the lab toolkit over HTTP.
+# notebook even when `MINSERVE_LAB_TARGET` is set. One cell, in section 8, sends its eight requests
+# over HTTP: to the target's server when one is set, else to a server it starts around its engine.
 #
 # **Prerequisites:** Python and a little pandas; no serving background needed.
 #
@@ -361,25 +361,34 @@ print(f"The longest prompt ({longest.prompt_tokens} tokens) was prefilled in {n_
       f"and its TTFT was {waited.ttft_s * 1000:.0f} ms.")
 
 # %% [markdown]
-# The same eight requests can go to a server instead: when the lab's target is one
-# (`MINSERVE_LAB_TARGET`, with `MINSERVE_LAB_API_KEY`), the next cell sends them there with
-# `base_url=` and draws the same figure from the responses and the server's `/metrics`. A client
-# sees latencies, not the engine's records, so that run has no timeline. In the notebook's own
-# engine (the default) there is nothing to send, and the cell says so.
+# The same eight requests go to a server next, over HTTP: `base_url=` instead of the engine, and
+# the same figure drawn from the responses and the server's `/metrics`. A client sees latencies,
+# not the engine's records, so that run has no timeline. Which server: the lab's target when it is
+# one (`MINSERVE_LAB_TARGET`, with `MINSERVE_LAB_API_KEY`), else the app `minserve serve` runs,
+# started in this notebook around this same engine (`lab.local_server.serve`, on a free local port)
+# and stopped after. This engine's prefix cache still holds the eight prompts, yet the server's
+# requests do not hit it: a server keeps each tenant's cached prefixes apart (the tenant is part of
+# every block's cache key), and the notebook's own requests belong to no tenant of it. So both runs
+# compute the same prefills.
+#
+# **What to look for:** over HTTP to the same engine, TTFT and TPOT come out close to the
+# engine's own; what a client adds (the request, tokenizing, the stream) is small next to a
+# step of the model. A remote server's numbers are its own machine's.
 
 # %%
 target = lab.current_target()
-if target.in_process:
-    print("The target is the engine in this notebook: set MINSERVE_LAB_TARGET=http://host:port "
-          "to send these requests to a server too.")
-else:
-    served = lab.run_workload(base_url=target.base_url, requests=tour_reqs,
-                              name=f"the same 8 requests at {target.base_url}")
-    k = served.key_numbers()
-    print(f"On the server: median TTFT {k['median_ttft_ms']:.0f} ms, median TPOT "
-          f"{k['median_tpot_ms']:.1f} ms; in this notebook's engine: "
-          f"{tour_run.key_numbers()['median_ttft_ms']:.0f} and "
-          f"{tour_run.key_numbers()['median_tpot_ms']:.1f} ms.")
+local = lab.local_server.serve(llm) if target.in_process else None   # the engine's own server
+base_url = local.base_url if local else target.base_url
+try:
+    served = lab.run_workload(base_url=base_url, requests=tour_reqs, name=f"the same 8 requests at {base_url}")
+finally:
+    if local:
+        local.stop()   # gives the engine back to this notebook
+k = served.key_numbers()
+print(f"On the server{' in this notebook' if local else ''}: median TTFT {k['median_ttft_ms']:.0f} ms, "
+      f"median TPOT {k['median_tpot_ms']:.1f} ms; in this notebook's engine: "
+      f"{tour_run.key_numbers()['median_ttft_ms']:.0f} and "
+      f"{tour_run.key_numbers()['median_tpot_ms']:.1f} ms.")
 
 # %% [markdown]
 # ## 9. Check

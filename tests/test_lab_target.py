@@ -21,7 +21,7 @@ import pytest
 
 import minserve.lab as lab
 from minserve.lab import target as tg
-from lab_runs import ROOT, SERVER_LABS, check_server_run, run_lab, stream_text
+from lab_runs import ROOT, SERVER_LABS, check_server_run, run_lab
 from vllm_peer import free_port, vllm_venv, wait_healthy
 
 
@@ -177,6 +177,54 @@ def test_run_experiment_goes_to_the_target_and_names_the_engine_arguments(keyed_
         lab.run_experiment(preset, base_url=base, max_num_seqs=2, live=False)
 
 
+def _tour_http_cell() -> str:
+    """Lab 00's section-8 cell, as the notebook runs it (its source, from labs/00_tour.py)."""
+    import jupytext
+    nb = jupytext.read(ROOT / "labs" / "00_tour.py")
+    cells = [c.source for c in nb.cells
+             if c.cell_type == "code" and c.source.startswith("target = lab.current_target()")]
+    assert len(cells) == 1, "lab 00 has no (or more than one) section-8 cell"
+    return cells[0]
+
+
+@pytest.mark.parametrize("against", ["the target", "a server in the notebook"])
+def test_the_tours_eight_requests_go_over_http(against, keyed_server, monkeypatch, capsys):
+    """Lab 00 builds its own engine whatever the target; its section-8 cell sends its requests to
+    the lab's target when one is set (with its key), else to a server it starts around that engine
+    and stops after, handing the engine back. (The whole lab runs in-process under nbval.)"""
+    pytest.importorskip("jupytext")
+    from minserve import LLM, SamplingParams
+    base, _ = keyed_server
+    if against == "the target":
+        monkeypatch.setenv("MINSERVE_LAB_TARGET", base)
+        monkeypatch.setenv("MINSERVE_LAB_API_KEY", "sk-lab")
+    else:
+        monkeypatch.delenv("MINSERVE_LAB_TARGET", raising=False)
+    llm = LLM("tiny-llama", max_num_seqs=8, num_kv_blocks=64, enable_prefix_caching=True)
+    tour_reqs = lab.make_requests(llm.get_tokenizer(), [40, 8, 24], 4, seed=1)
+    ns = {"lab": lab, "llm": llm, "tour_reqs": tour_reqs,
+          "tour_run": lab.run_workload(llm, tour_reqs, live=False)}
+    exec(_tour_http_cell(), ns)
+    served = ns["served"]
+    assert served.requests.success.all() and len(served.requests) == 3
+    assert list(served.requests.output_tokens) == [4, 4, 4]
+    out = capsys.readouterr().out
+    if against == "the target":
+        assert served.target == base and ns["local"] is None
+        assert "On the server: median TTFT" in out
+    else:
+        assert ns["local"] is not None and not ns["local"].running
+        assert served.target == ns["local"].base_url != base
+        assert "On the server in this notebook: median TTFT" in out
+        # The 40-token prompt's two full blocks were cached by the run before, yet the server's
+        # requests miss them (the tenant salts their cache keys): both runs computed the same.
+        # Afterwards the engine is the notebook's again.
+        frame = llm.llm_engine.requests_frame()
+        assert frame.cached_tokens.tail(3).sum() == 0, frame.tail(3)
+        again = llm.generate([r.prompt for r in tour_reqs], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert all(o.finished for o in again)
+
+
 # ---- whole labs against a real `minserve serve` ------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -221,12 +269,3 @@ def test_lab_runs_top_to_bottom_against_a_server(name, minserve_serve, tmp_path)
         report = next(c for c in nb.cells if c.cell_type == "code" and c.source.startswith("rows = {}"))
         html = "".join(str(o.get("data", {}).get("text/plain", "")) for o in report.outputs)
         assert "vllm:prefix_cache_hits" in html and "shared preamble" in html, html
-
-
-def test_the_tour_sends_its_eight_requests_to_the_target(minserve_serve, tmp_path):
-    """Lab 00 builds its own engine; its section 8 also sends its eight requests to the server."""
-    nb = run_lab("00_tour", minserve_serve, tmp_path, api_key="sk-lab-target")
-    texts = [stream_text(c) for c in nb.cells if c.cell_type == "code"]
-    served = [t for t in texts if t.startswith("On the server:")]
-    assert len(served) == 1, texts
-    assert "Lab 00 ran in" in texts[-1]
