@@ -123,3 +123,26 @@ def test_a_folder_naming_another_tokenizer_class_goes_through_auto(tmp_path, mon
     assert loader.load_tokenizer(tmp_path) == "auto's" and calls == [str(tmp_path)]
     (tmp_path / "tokenizer_config.json").write_text("not json")   # unreadable: Auto decides too
     assert loader.load_tokenizer(tmp_path) == "auto's" and len(calls) == 2
+
+
+def test_one_tokenizer_per_folder_and_process_until_its_files_change(tmp_path):
+    """Engines of one model share the loaded tokenizer (its load costs more than the rest of an
+    engine's start); another folder, or the same folder with a tokenizer file changed on disk,
+    gets its own."""
+    import os
+    import shutil
+
+    from minserve.models.loader import load_tokenizer, resolve_model_dir
+    a, b = LLM("tiny-llama", num_kv_blocks=8), LLM("tiny-llama", num_kv_blocks=8)
+    assert a.get_tokenizer() is b.get_tokenizer() is load_tokenizer(resolve_model_dir("tiny-llama"))
+    folder = tmp_path / "tok"
+    shutil.copytree(_smollm2_tokenizer_dir(), folder)
+    first = load_tokenizer(folder)
+    assert first is load_tokenizer(folder) and first is not a.get_tokenizer()
+    assert first.encode("Hello world") == a.get_tokenizer().encode("Hello world")
+    config = folder / "tokenizer_config.json"
+    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 10**9))
+    second = load_tokenizer(folder)
+    assert second is not first and second is load_tokenizer(folder)
+    with pytest.raises(ValueError, match="could not load a tokenizer from"):
+        load_tokenizer(tmp_path / "nowhere")

@@ -577,11 +577,7 @@ def experiment(preset=None, *, base_url: str, num_requests: int = 16, request_ra
                  max_concurrency=max_concurrency, live=live)
 
 
-_tokenizers: dict = {}
-
-
 def _tokenizer(model: str):
+    """The model's tokenizer (the loader keeps one per folder and process)."""
     from minserve.models.loader import load_tokenizer, resolve_model_dir
-    if model not in _tokenizers:
-        _tokenizers[model] = load_tokenizer(resolve_model_dir(model))
-    return _tokenizers[model]
+    return load_tokenizer(resolve_model_dir(model))

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -78,7 +79,42 @@ def _named_tokenizer_class(path: Path) -> str | None:
         return None
 
 
+# One tokenizer per model folder and process, as vLLM keeps one (``cached_get_tokenizer``): loading
+# SmolLM2's parses its 3.4 MB tokenizer.json twice (~0.17 s, more than the rest of an engine's
+# start), and a notebook, a test session or a bench builds many engines of one model. Engines
+# only read it (encode, decode, the chat template). The key holds each tokenizer file's size and
+# modification time, so a folder whose tokenizer files change on disk loads afresh.
+_tokenizers: dict[tuple, object] = {}
+_tokenizers_lock = threading.Lock()
+_NOT_TOKENIZER_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", _DONE)
+
+
+def _tokenizer_key(path: Path) -> tuple:
+    files = sorted(f for f in path.iterdir() if f.is_file() and not f.name.endswith(_NOT_TOKENIZER_FILES))
+    return (str(path.resolve()), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+
+
 def load_tokenizer(path: Path):
+    """The tokenizer of the model folder ``path``, shared by every caller in this process that
+    loads the same folder (engines, the lab tools, the bench). Change a copy, not it:
+    ``copy.deepcopy(tok)`` before adding tokens or setting a padding side, or every engine of
+    that model in the process sees the change."""
+    path = Path(path)
+    try:
+        key = _tokenizer_key(path)
+    except OSError:
+        key = None   # no such folder: the load below names it
+    with _tokenizers_lock:
+        if key in _tokenizers:
+            return _tokenizers[key]
+    tok = _load_tokenizer_files(path)
+    if key is not None:
+        with _tokenizers_lock:
+            tok = _tokenizers.setdefault(key, tok)
+    return tok
+
+
+def _load_tokenizer_files(path: Path):
     try:
         if _named_tokenizer_class(path) in _FAST_TOKENIZER_CLASSES:
             from transformers import PreTrainedTokenizerFast
