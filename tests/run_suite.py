@@ -60,15 +60,16 @@ NO_TESTS = 5   # pytest's exit status when nothing was selected: not a failure o
 # each is a part of its own, so the workers can share them.
 SLOW_FILES = ("tests/test_vllm_peer.py", "tests/test_lab_target.py", "tests/test_docs.py",
               "tests/test_browser.py")
-# Seconds each part took at one thread on the AVX2 host (2026-12-05, with vLLM): they only order
-# the queue on a first run (a fresh clone, CI); later runs order it by their own last times.
-TYPICAL_S = {"tests": 1100, "tests/test_vllm_peer.py": 500, "labs/08_optimization_lab.ipynb": 360,
-             "tests/test_lab_target.py": 330, "labs/01_prefill_vs_decode.ipynb": 290,
-             "labs/05_quantization.ipynb": 230, "labs/06_speculative_decoding.ipynb": 220,
-             "labs/02_continuous_batching.ipynb": 200, "labs/07_overload_and_goodput.ipynb": 150,
-             "tests/test_docs.py": 135, "tests/test_browser.py": 110,
-             "labs/04_prefix_caching.ipynb": 110, "labs/09_release_gates.ipynb": 60,
-             "labs/00_tour.ipynb": 50, "labs/03_kv_cache_detective.ipynb": 45}
+# Seconds each part took at one thread beside another on the Zen 4 host (2026-12-07, with vLLM):
+# they only order the queue on a first run (a fresh clone, CI); later runs order it by their own
+# last times.
+TYPICAL_S = {"tests": 370, "tests/test_vllm_peer.py": 200, "labs/08_optimization_lab.ipynb": 125,
+             "labs/02_continuous_batching.ipynb": 110, "tests/test_lab_target.py": 110,
+             "labs/01_prefill_vs_decode.ipynb": 100, "tests/test_docs.py": 90,
+             "labs/06_speculative_decoding.ipynb": 85, "labs/05_quantization.ipynb": 75,
+             "labs/07_overload_and_goodput.ipynb": 70, "tests/test_browser.py": 50,
+             "labs/04_prefix_caching.ipynb": 45, "labs/00_tour.ipynb": 30,
+             "labs/03_kv_cache_detective.ipynb": 30, "labs/09_release_gates.ipynb": 20}
 
 
 @dataclass
