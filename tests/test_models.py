@@ -146,3 +146,18 @@ def test_one_tokenizer_per_folder_and_process_until_its_files_change(tmp_path):
     assert second is not first and second is load_tokenizer(folder)
     with pytest.raises(ValueError, match="could not load a tokenizer from"):
         load_tokenizer(tmp_path / "nowhere")
+
+
+def test_only_the_last_folders_tokenizers_are_kept(tmp_path, monkeypatch):
+    import shutil
+
+    from minserve.models import loader
+    monkeypatch.setattr(loader, "TOKENIZERS_KEPT", 2)
+    folders = [shutil.copytree(_smollm2_tokenizer_dir(), tmp_path / f"t{i}") for i in range(3)]
+    first = loader.load_tokenizer(folders[0])
+    loader.load_tokenizer(folders[1])
+    assert loader.load_tokenizer(folders[0]) is first     # used again: now the most recent
+    loader.load_tokenizer(folders[2])                      # evicts folder 1, the least recent
+    assert loader.load_tokenizer(folders[0]) is first
+    assert len(loader._tokenizers) == 2
+    assert not any(k[0] == str(folders[1].resolve()) for k in loader._tokenizers)

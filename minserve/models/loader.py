@@ -15,6 +15,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,8 +84,11 @@ def _named_tokenizer_class(path: Path) -> str | None:
 # SmolLM2's parses its 3.4 MB tokenizer.json twice (~0.17 s, more than the rest of an engine's
 # start), and a notebook, a test session or a bench builds many engines of one model. Engines
 # only read it (encode, decode, the chat template). The key holds each tokenizer file's size and
-# modification time, so a folder whose tokenizer files change on disk loads afresh.
-_tokenizers: dict[tuple, object] = {}
+# modification time, so a folder whose tokenizer files change on disk loads afresh. The last
+# TOKENIZERS_KEPT folders are kept (~16 MiB each for SmolLM2's): a session that loads many folders
+# (a sweep over checkpoints, the test suite's temporary models) does not keep them all.
+TOKENIZERS_KEPT = 8
+_tokenizers: OrderedDict[tuple, object] = OrderedDict()
 _tokenizers_lock = threading.Lock()
 _NOT_TOKENIZER_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", _DONE)
 
@@ -106,11 +110,15 @@ def load_tokenizer(path: Path):
         key = None   # no such folder: the load below names it
     with _tokenizers_lock:
         if key in _tokenizers:
+            _tokenizers.move_to_end(key)
             return _tokenizers[key]
     tok = _load_tokenizer_files(path)
     if key is not None:
         with _tokenizers_lock:
             tok = _tokenizers.setdefault(key, tok)
+            _tokenizers.move_to_end(key)
+            while len(_tokenizers) > TOKENIZERS_KEPT:
+                _tokenizers.popitem(last=False)   # the least recently loaded folder
     return tok
 
 
