@@ -24,6 +24,9 @@ class LLM:
         self._ids = itertools.count()
 
     def get_tokenizer(self):
+        """The model's Hugging Face tokenizer. Every engine of the same model folder in this
+        process shares it (``minserve.models.loader.load_tokenizer``): change a copy
+        (``copy.deepcopy``), not it."""
         return self.llm_engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
