@@ -94,8 +94,9 @@ _NOT_TOKENIZER_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", _DONE)
 
 
 def _tokenizer_key(path: Path) -> tuple:
-    files = sorted(f for f in path.iterdir() if f.is_file() and not f.name.endswith(_NOT_TOKENIZER_FILES))
-    return (str(path.resolve()), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    stats = sorted((f.name, f.stat()) for f in path.iterdir()
+                   if f.is_file() and not f.name.endswith(_NOT_TOKENIZER_FILES))
+    return (str(path.resolve()), tuple((name, st.st_size, st.st_mtime_ns) for name, st in stats))
 
 
 def load_tokenizer(path: Path):
