@@ -81,11 +81,11 @@ def _named_tokenizer_class(path: Path) -> str | None:
 
 
 # One tokenizer per model folder and process, as vLLM keeps one (``cached_get_tokenizer``): loading
-# SmolLM2's parses its 3.4 MB tokenizer.json twice (~0.17 s, more than the rest of an engine's
-# start), and a notebook, a test session or a bench builds many engines of one model. Engines
+# SmolLM2's parses its 3.4 MB tokenizer.json twice, which took longer than the rest of an engine's
+# start, and a notebook, a test session or a bench builds many engines of one model. Engines
 # only read it (encode, decode, the chat template). The key holds each tokenizer file's size and
 # modification time, so a folder whose tokenizer files change on disk loads afresh. The last
-# TOKENIZERS_KEPT folders are kept (~16 MiB each for SmolLM2's): a session that loads many folders
+# TOKENIZERS_KEPT folders are kept (each holds the whole vocabulary in memory): a session that loads many folders
 # (a sweep over checkpoints, the test suite's temporary models) does not keep them all.
 TOKENIZERS_KEPT = 8
 _tokenizers: OrderedDict[tuple, object] = OrderedDict()
