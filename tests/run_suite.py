@@ -19,6 +19,11 @@ last 8 minutes of a run without vLLM. Not pytest-xdist: with ``--dist loadgroup`
 notebook's cells out of order (measured 2026-12-02, 149 NameErrors), and it cannot keep the
 notebook kernels at one thread while the tests ask for their own.
 
+One more part starts while every worker is busy and a core has sat idle for the last ten seconds
+(half a core or more on average, with 4 GiB of memory free; tests/spare_cores.py reads the
+kernel's idle counts): some parts wait more than they compute (vLLM's kept half a core busy), and
+the idle half of a core takes the next part. Not when ``TEST_WORKERS`` sets the number.
+
 Each part runs at one thread, so that each has a core of its own: tests through
 ``MINSERVE_TEST_THREADS=1`` (tests/conftest.py; a test that wants a team of two asks for it), the
 notebooks' kernels through ``OMP_NUM_THREADS=1`` (``NOTEBOOK_THREADS`` overrides it). A team of
@@ -45,6 +50,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from spare_cores import SpareCores
+
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = ROOT / "build" / "test-logs"
 TIMES = LOGS / "durations.json"
@@ -55,6 +62,7 @@ TIMES = LOGS / "durations.json"
 MAX_DEFAULT_WORKERS = 4
 WORKERS_ENV = "TEST_WORKERS"
 NO_TESTS = 5   # pytest's exit status when nothing was selected: not a failure of that part
+SPARE_POLL_S = 2.0   # how often the idle cores are read while every worker is busy
 
 # Test files that take minutes alone (a whole lab against a server, a browser, the docs site):
 # each is a part of its own, so the workers can share them.
@@ -192,50 +200,62 @@ def failure_report(part: Part) -> str:
     return "\n".join(lines[first:] if first is not None else lines[-150:])
 
 
-def run_shared(parts: list[Part], extra: list[str], env: dict[str, str], workers: int) -> int:
+def run_shared(parts: list[Part], extra: list[str], env: dict[str, str], workers: int,
+               spare: SpareCores | None = None) -> int:
+    """Run the parts, ``workers`` at a time, and one more while ``spare`` (if given) sees a core
+    idle (tests/spare_cores.py). Returns the suite's exit status."""
     LOGS.mkdir(parents=True, exist_ok=True)
     rank = priorities(parts)
     pending = sorted(parts, key=lambda p: -rank[p.name])
     finished: set[str] = set()
     done: list[Part] = []
-    running = [0]
+    running: list[Part] = []
     changed, start = threading.Condition(), time.monotonic()
-    print(f"suite: {len(parts)} parts, {workers} workers at one thread each; each part's output "
-          f"is in {LOGS.relative_to(ROOT)}/", flush=True)
+    more = " (and one more while a core sits idle)" if spare else ""
+    print(f"suite: {len(parts)} parts, {workers} workers at one thread each{more}; each part's "
+          f"output is in {LOGS.relative_to(ROOT)}/", flush=True)
 
-    def next_part() -> Part | None:
-        """The first pending part whose inputs are done (waits for one); None when none is left."""
+    def next_ready() -> Part | None:
+        """The first pending part whose inputs are done; with nothing running and nothing ready
+        (the rest wait on each other), the first pending one."""
+        ready = [p for p in pending if p.after <= finished] or ([] if running else pending)
+        return ready[0] if ready else None
+
+    def run(part: Part) -> None:
+        try:
+            run_part(part, extra, env)
+        except Exception as exc:  # noqa: BLE001 - a part that cannot start is a failed part
+            part.rc, part.summary = -1, f"could not run: {exc!r}"
         with changed:
-            while pending:
-                # Nothing running and nothing ready: the rest wait on each other; take the first.
-                ready = [p for p in pending if p.after <= finished] or ([] if running[0] else pending)
-                if ready:
-                    part = ready[0]
-                    pending.remove(part)
-                    running[0] += 1
-                    return part
-                changed.wait()
-            return None
+            running.remove(part)
+            done.append(part)
+            finished.add(part.name)
+            verdict = "FAILED" if part.failed else "passed"
+            busy = f", CPU {part.cpu_seconds / part.seconds:.0%}" if part.seconds > 1 else ""
+            print(f"[{len(done):2d}/{len(parts)}] {verdict} {part.name} in "
+                  f"{part.seconds / 60:.1f} min{busy}: {part.summary}", flush=True)
+            changed.notify_all()
 
-    def worker() -> None:
-        while (part := next_part()) is not None:
-            try:
-                run_part(part, extra, env)
-            except Exception as exc:  # noqa: BLE001 - a part that cannot start is a failed part
-                part.rc, part.summary = -1, f"could not run: {exc!r}"
-            with changed:
-                running[0] -= 1
-                done.append(part)
-                finished.add(part.name)
-                verdict = "FAILED" if part.failed else "passed"
-                busy = f", CPU {part.cpu_seconds / part.seconds:.0%}" if part.seconds > 1 else ""
-                print(f"[{len(done):2d}/{len(parts)}] {verdict} {part.name} in "
-                      f"{part.seconds / 60:.1f} min{busy}: {part.summary}", flush=True)
-                changed.notify_all()
-
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(workers)]
-    for t in threads:
-        t.start()
+    threads = []
+    with changed:
+        while pending or running:
+            part, why = next_ready(), None
+            if part is not None and len(running) >= workers:
+                why = spare.room_for_one_more() if spare and len(running) == workers else None
+                part = part if why else None
+            if part is None:
+                changed.wait(SPARE_POLL_S if spare else None)
+                if spare:
+                    spare.sample()
+                continue
+            pending.remove(part)
+            running.append(part)
+            if spare:
+                spare.restart()   # the new part's start-up is not in the window yet
+            if why:
+                print(f"  + {part.name} starts beside the others: {why}", flush=True)
+            threads.append(threading.Thread(target=run, args=(part,), daemon=True))
+            threads[-1].start()
     for t in threads:
         t.join()
     save_times(done)
@@ -300,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(parts) == 1:   # nothing to share: one process, printing as it runs
         return subprocess.call(pytest_cmd(parts[0].args, extra), cwd=ROOT,
                                env={**env, **part_threads(parts[0])})
-    return run_shared(parts, extra, env, workers=min(worker_count(), len(parts)))
+    # One more part while a core sits idle, unless TEST_WORKERS fixed the number.
+    spare = None if os.environ.get(WORKERS_ENV, "").strip() else SpareCores()
+    return run_shared(parts, extra, env, workers=min(worker_count(), len(parts)), spare=spare)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import run_suite
+import spare_cores
 from run_suite import Part, make_parts, priorities, split_paths
 
 
@@ -127,4 +128,96 @@ def test_the_shared_layout_keeps_its_older_name(sandbox, tmp_path, monkeypatch, 
     (tmp_path / "labs" / "01_b.py").write_text("")
     for layout in ("shared", "two"):
         assert run_suite.main(["--layout", layout, "--", "test_a.py", "labs/01_b.py"]) == 0
-        assert "2 parts, 2 workers" in capsys.readouterr().out   # never more workers than parts
+        out = capsys.readouterr().out
+        assert "2 parts, 2 workers" in out             # never more workers than parts
+        assert "one more while a core sits idle" not in out   # TEST_WORKERS fixes the number
+    monkeypatch.delenv("TEST_WORKERS")
+    assert run_suite.main(["--", "test_a.py", "labs/01_b.py"]) == 0
+    assert "(and one more while a core sits idle)" in capsys.readouterr().out
+
+
+# ---- one more part while a core sits idle (tests/spare_cores.py) -----------------------------------
+
+STAT = """cpu  900 0 300 5000 100 0 0 0 0 0
+cpu0 100 0 100 {idle0} 50 0 0 0 0 0
+cpu1 800 0 200 {idle1} 50 0 0 0 0 0
+cpu2 0 0 0 99999 0 0 0 0 0 0
+intr 1 2 3
+"""
+
+
+def test_idle_jiffies_are_summed_over_the_processs_own_cpus():
+    idle, total = spare_cores.read_idle(STAT.format(idle0=1000, idle1=10), {0, 1})
+    assert idle == 1000 + 50 + 10 + 50 and total == 1250 + 1060   # cpu2 and the "cpu" total: not ours
+    assert spare_cores.available_memory("MemTotal: 100 kB\nMemAvailable:  2048 kB\n") == 2048 * 1024
+    assert spare_cores.available_memory("MemTotal: 100 kB\n") is None
+
+
+def test_the_meter_counts_idle_cores_over_a_whole_window(tmp_path, monkeypatch):
+    stat, meminfo = tmp_path / "stat", tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable: 8388608 kB\n")               # 8 GiB
+    meter = spare_cores.SpareCores({0, 1}, window_s=10, stat=stat, meminfo=meminfo)
+    # Each second: cpu0 idle the whole second (100 jiffies), cpu1 busy the whole of it.
+    for second in range(12):
+        stat.write_text(STAT.format(idle0=1000 + 100 * second, idle1=10).replace(
+            "cpu1 800", f"cpu1 {800 + 100 * second}"))
+        meter.sample(now=float(second))
+        if second < 10:
+            assert meter.idle() is None and meter.room_for_one_more() is None   # no whole window yet
+    assert meter.idle() == pytest.approx(1.0)
+    assert meter.room_for_one_more() == "1.0 of 2 cores idle over the last 10 s"
+    meminfo.write_text("MemAvailable: 1048576 kB\n")               # 1 GiB: not enough for a part
+    assert meter.room_for_one_more() is None
+    meminfo.write_text("MemAvailable: 8388608 kB\n")
+    meter.restart()
+    assert meter.idle() is None
+    # Both cores busy: no room whatever the memory.
+    for second in range(12, 24):
+        stat.write_text(STAT.format(idle0=2100, idle1=10).replace("cpu0 100", f"cpu0 {100 * second}")
+                        .replace("cpu1 800", f"cpu1 {800 + 100 * second}"))
+        meter.sample(now=float(second))
+    assert meter.idle() == pytest.approx(0.0) and meter.room_for_one_more() is None
+    assert spare_cores.SpareCores({0}, stat=tmp_path / "none").sample() is None   # no /proc: no count
+
+
+class FixedMeter:
+    def __init__(self, room: str | None):
+        self.room, self.restarts = room, 0
+
+    def sample(self):
+        pass
+
+    def restart(self):
+        self.restarts += 1
+
+    def room_for_one_more(self):
+        return self.room
+
+
+def _overlap(log) -> int:
+    """The most parts that ran at once, from the start/end lines they wrote."""
+    events = sorted((float(t), +1 if what == "start" else -1)
+                    for what, t in (ln.split() for ln in log.read_text().splitlines()))
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+@pytest.mark.parametrize("room", [None, "1.0 of 2 cores idle over the last 10 s"])
+def test_one_more_part_starts_only_while_the_meter_sees_room(sandbox, tmp_path, capsys, monkeypatch, room):
+    monkeypatch.setattr(run_suite, "SPARE_POLL_S", 0.05)
+    log = tmp_path / "times"
+    body = (f"import time; f = open({str(log)!r}, 'a'); f.write(f'start {{time.time()}}\\n'); f.flush(); "
+            f"time.sleep(0.6); f.write(f'end {{time.time()}}\\n'); print('1 passed')")
+    parts = [Part(name, [body]) for name in "abcd"]
+    meter = FixedMeter(room)
+    assert run_suite.run_shared(parts, [], {}, workers=1, spare=meter) == 0
+    out = capsys.readouterr().out
+    assert "4 parts, 0 failed" in out and meter.restarts == 4
+    if room is None:
+        assert _overlap(log) == 1 and "starts beside the others" not in out
+    else:   # one worker and one more: two at a time, never three
+        assert _overlap(log) == 2 and f"starts beside the others: {room}" in out
+        assert "(and one more while a core sits idle)" in out
