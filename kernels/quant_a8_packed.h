@@ -1,24 +1,70 @@
-/* W4A8 at prefill sizes: each weight tile unpacked once per call, then every input row reuses it
- * (included by quant_a8.h, in its AVX-512 VNNI section, after int4_a8_tile).
+/* W4A8 and W8A8 at prefill sizes: each weight tile packed once per call, the inputs interleaved
+ * (included by quant_a8.h, in its AVX-512 VNNI section, after int8_a8_tile).
  *
- * Why: int4_a8_tile transposes its 16 rows' bytes into vpdpbusd's lane order (transpose16), splits
- * the nibbles and transposes each group's scales and mins (columns16) for every pass of
- * A8_BATCH_PASS inputs. At decode sizes that is one or two passes; a 1024-token prefill chunk
- * makes 128. Here a tile is unpacked into a per-thread buffer once per call (16 rows x in bytes,
- * plus two vectors per group), which stays in L1 / L2 while every input row of the call passes
- * over it, A8_PACKED_PASS inputs at a time. What it measured, and why int8 weights (no nibbles, no
- * group scales: their transposes run beside the dot products) keep their passes, is on
+ * Why: int4_a8_tile and int8_a8_tile transpose their 16 rows' bytes into vpdpbusd's lane order
+ * (transpose16; int4 also splits the nibbles and transposes each group's scales and mins,
+ * columns16) for every pass of A8_BATCH_PASS inputs. At decode sizes that is one or two passes; a
+ * 1024-token prefill chunk makes 128. Here a tile is packed into a per-thread buffer once per call
+ * (16 rows x in bytes, plus two vectors per int4 group), which stays in L1 / L2 while every input
+ * of the call passes over it, A8_PACKED_PASS inputs at a time.
+ *
+ * The inputs are interleaved too (a8_interleave): for each pass, block and 4-byte group of the
+ * block, the pass's inputs side by side, and each block's scales (and sums) the same way. A pass
+ * then reads all its activations through one pointer at fixed offsets; read from B rows a row
+ * apart, each of a pass's vpdpbusd also needed its own address arithmetic, and packing int8 tiles
+ * alone measured 0.86-1.09x (2026-12-07). What both changes measured is on
  * docs/performance/vllm-zen4.md; benchmarks/bench_roofline.py's kernel table times both formats.
  *
- * The integers and the order of the float operations are int4_a8_tile's (each block's exact int32
- * dot product, converted and scaled into the row's running sum block by block, then the min
- * term), so both paths give bit-identical outputs (tests/test_quant_a8.py).
+ * The integers and the order of the float operations are those of the per-pass tiles (each
+ * block's exact int32 dot product, converted and scaled into the row's running sum block by block;
+ * for int4 then the min term; for int8 the shift and the row scale at the end), so both paths give
+ * bit-identical outputs (tests/test_quant_a8.py).
  */
 #ifndef MINSERVE_QUANT_A8_PACKED_H
 #define MINSERVE_QUANT_A8_PACKED_H
 
-#define A8_PACKED_MIN_ROWS 32   /* fewer inputs: int4_a8_tile's own passes (one to three) */
+#define A8_PACKED_MIN_ROWS 32   /* fewer inputs: the per-pass tiles (one to three passes) */
 #define A8_PACKED_PASS 12       /* inputs per pass: 12 int32 sums + 12 float sums + a weight vector */
+
+/* Byte offset in a block of 32 activation codes of the 4-byte group that meets weight vector j
+ * (0..7): int8 tiles hold columns 4j..4j+3 in vector j; int4 tiles the low nibbles of columns
+ * 8j'..8j'+7 in vectors 0-3 and the high ones in 4-7 (see int4_a8_pack and quantize_block). */
+static inline int64_t a8_group_offset(int int4, int j) { return int4 ? 8 * (j % 4) + 4 * (j / 4) : 4 * j; }
+
+typedef struct {    /* x's codes for the packed tiles, A8_PACKED_PASS inputs side by side */
+    int32_t *codes; /* [passes][blocks][8][PASS]: a 4-byte group of codes each */
+    float *d, *xsum;/* [passes][blocks][PASS] */
+    int64_t passes;
+} A8Passes;
+
+/* Bytes a8_interleave needs for B inputs of in columns. */
+static inline size_t a8_passes_bytes(int64_t B, int64_t in) {
+    int64_t rows = (B + A8_PACKED_PASS - 1) / A8_PACKED_PASS * A8_PACKED_PASS;
+    return (size_t)rows * in + 2 * sizeof(float) * (size_t)rows * (in / A8_BLOCK);
+}
+
+/* act's codes, scales and sums in A8Passes's order, in buf (a8_passes_bytes, 64-byte aligned).
+ * The last pass's rows past B repeat row B - 1: their sums are computed and never stored. */
+static A8Passes a8_interleave(Activations8 act, int64_t B, int64_t in, int int4, void *buf, int nthreads) {
+    const int64_t blocks = in / A8_BLOCK, P = A8_PACKED_PASS, passes = (B + P - 1) / P;
+    A8Passes p = {(int32_t *)buf, NULL, NULL, passes};
+    p.d = (float *)(p.codes + passes * blocks * 8 * P);
+    p.xsum = p.d + passes * blocks * P;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t pass = 0; pass < passes; pass++)
+        for (int64_t b = 0; b < P; b++) {
+            int64_t row = pass * P + b < B ? pass * P + b : B - 1;
+            const int8_t *codes = act.codes + row * in;
+            for (int64_t k = 0; k < blocks; k++) {
+                int64_t at = (pass * blocks + k) * P + b;
+                for (int j = 0; j < 8; j++)
+                    memcpy(p.codes + 8 * (at - b) + j * P + b, codes + k * A8_BLOCK + a8_group_offset(int4, j), 4);
+                p.d[at] = act.d[row * blocks + k];
+                p.xsum[at] = act.xsum[row * blocks + k];
+            }
+        }
+    return p;
+}
 
 /* The int4 tile in vpdpbusd's lane order, nibbles as bytes: 8 vectors per block of 32 columns
  * (the 4 low-nibble vectors, then the 4 high), then each group's scales and mins as vectors
@@ -45,55 +91,98 @@ static void int4_a8_pack(const QWeight *w, const uint8_t *const rows[ROW_TILE], 
     }
 }
 
-/* int4_a8_tile's sums for nb inputs, the weights, scales and mins read from the packed tile. */
+/* The int8 tile in vpdpbusd's lane order, each code + 128 (unsigned, as int8_a8_tile makes them):
+ * 8 vectors per block of 32 columns. */
+static void int8_a8_pack(const QWeight *w, const uint8_t *const rows[ROW_TILE], __m512i *packed) {
+    const __m512i offset = _mm512_set1_epi8((char)0x80);
+    for (int64_t k = 0; k < w->in / A8_BLOCK; k++) {
+        __m512i T[8];
+        transpose16(rows, k * A8_BLOCK, T);
+        transpose16(rows, k * A8_BLOCK + 16, T + 4);
+        for (int j = 0; j < 8; j++) _mm512_store_si512(packed + 8 * k + j, _mm512_xor_si512(T[j], offset));
+    }
+}
+
+/* One pass over a packed tile: out[b] = the tile's 16 rows for the pass's input b < nb, before the
+ * bias (int8: before the shift and the row scale too). bits and nb are constants at each call
+ * site (a8_pass_of), so each format's and size's loop compiles into registers of its own. */
 static inline __attribute__((always_inline)) void
-int4_a8_packed_tile(const QWeight *w, const __m512i *packed, int64_t r0, int64_t r1, Activations8 act,
-                    float *y, int64_t ldy, const int nb, int accumulate) {
-    const int64_t in = w->in, blocks = in / A8_BLOCK, per_group = w->group / A8_BLOCK;
+a8_packed_pass(const int bits, const int nb, const __m512i *packed, int64_t blocks, int64_t per_group,
+               const int32_t *codes, const float *d, const float *xsum, __m512 out[A8_PACKED_PASS]) {
+    enum { P = A8_PACKED_PASS };
     const __m512 *sm = (const __m512 *)(packed + 8 * blocks);
-    __m512 out[A8_PACKED_PASS];
     for (int b = 0; b < nb; b++) out[b] = _mm512_setzero_ps();
     for (int64_t k = 0; k < blocks; k++) {
-        __m512i dot[A8_PACKED_PASS];
+        __m512i dot[P];
         for (int b = 0; b < nb; b++) dot[b] = _mm512_setzero_si512();
-        for (int j = 0; j < 8; j++) {   /* activation codes in int4 order: 8 (j % 4) + 4 (j / 4) */
+        const int32_t *a = codes + k * 8 * P;
+        _Pragma("GCC unroll 8")   /* unrolled, the pass's sums stay in registers (measured: 1.5x) */
+        for (int j = 0; j < 8; j++) {
             const __m512i Tj = _mm512_load_si512(packed + 8 * k + j);
-            const int64_t at = k * A8_BLOCK + 8 * (j % 4) + 4 * (j / 4);
-            for (int b = 0; b < nb; b++) dot[b] = _mm512_dpbusd_epi32(dot[b], Tj, bcast4(act.codes + b * in + at));
+            for (int b = 0; b < nb; b++) dot[b] = _mm512_dpbusd_epi32(dot[b], Tj, _mm512_set1_epi32(a[j * P + b]));
         }
-        const __m512 s = sm[2 * (k / per_group)], m = sm[2 * (k / per_group) + 1];
-        for (int b = 0; b < nb; b++) {
-            __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(act.d[b * blocks + k]));
-            out[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[b]), sd, out[b]);
-            out[b] = _mm512_fmadd_ps(m, _mm512_set1_ps(act.xsum[b * blocks + k]), out[b]);
+        if (bits == 4) {
+            const __m512 s = sm[2 * (k / per_group)], m = sm[2 * (k / per_group) + 1];
+            for (int b = 0; b < nb; b++) {
+                __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(d[k * P + b]));
+                out[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[b]), sd, out[b]);
+                out[b] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[k * P + b]), out[b]);
+            }
+        } else {
+            for (int b = 0; b < nb; b++)
+                out[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[b]), _mm512_set1_ps(d[k * P + b]), out[b]);
         }
     }
-    store_tile(out, w->bias, r0, r1, y, ldy, nb, accumulate);
 }
 
-/* Bytes of one packed tile: 16 rows x in codes as bytes, and two vectors per group. */
+/* A pass of `left` inputs (the last one may be short): 12, or the next multiple of 4, so that a
+ * call of 32 or 64 inputs computes no padding rows (measured: int4 at 32 rows lost 7 % padded to
+ * 36). Rows past `left` in the pass are copies of the last input, their sums never stored. */
+static inline __attribute__((always_inline)) void
+a8_pass_of(const int bits, int64_t left, const __m512i *packed, int64_t blocks, int64_t per_group,
+           const int32_t *codes, const float *d, const float *xsum, __m512 out[A8_PACKED_PASS]) {
+    if (left > 8)
+        a8_packed_pass(bits, A8_PACKED_PASS, packed, blocks, per_group, codes, d, xsum, out);
+    else if (left > 4)
+        a8_packed_pass(bits, 8, packed, blocks, per_group, codes, d, xsum, out);
+    else
+        a8_packed_pass(bits, 4, packed, blocks, per_group, codes, d, xsum, out);
+}
+
+/* Bytes of one packed tile: 16 rows x in codes as bytes, and two vectors per int4 group. */
 static inline size_t a8_packed_bytes(const QWeight *w) {
-    return (size_t)w->in * ROW_TILE + (size_t)(w->in / w->group) * 2 * 64;
+    return (size_t)w->in * ROW_TILE + (w->bits == 4 ? (size_t)(w->in / w->group) * 2 * 64 : 0);
 }
 
-/* Rows [r0, r1) of y for all B inputs of an int4 weight through one packed copy of the tile
- * (scratch: a8_packed_bytes, 64-byte aligned). */
-static void int4_a8_packed_rows(const QWeight *w, int64_t r0, int64_t r1, Activations8 act, float *y,
-                                int64_t B, int accumulate, __m512i *scratch) {
+/* Rows [r0, r1) of y for all B inputs through one packed copy of the tile (scratch: a8_packed_bytes,
+ * 64-byte aligned). act: the inputs as quantize_a8 left them (int8's shifts); p: interleaved. */
+static void a8_packed_rows(const QWeight *w, int64_t r0, int64_t r1, Activations8 act, A8Passes p,
+                           float *y, int64_t B, int accumulate, __m512i *scratch) {
     const uint8_t *rows[ROW_TILE];
     int64_t row_ids[ROW_TILE];
-    tile_rows(w->codes, w->in / 2, r0, r1, rows, row_ids);
-    int4_a8_pack(w, rows, row_ids, scratch);
-    const int64_t blocks = w->in / A8_BLOCK;
-    for (int64_t b = 0; b < B; b += A8_PACKED_PASS) {
-        int64_t nb = B - b < A8_PACKED_PASS ? B - b : A8_PACKED_PASS;
-        Activations8 ab = {act.codes + b * w->in, act.d + b * blocks, act.xsum + b * blocks, act.shift + b};
-        float *yb = y + b * w->out;
-        switch (nb) {   /* a constant nb per case: the loop over inputs unrolls into registers */
-#define CASE(n) case n: int4_a8_packed_tile(w, scratch, r0, r1, ab, yb, w->out, n, accumulate); break;
-        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
-#undef CASE
+    const int64_t blocks = w->in / A8_BLOCK, P = A8_PACKED_PASS;
+    tile_rows(w->codes, w->bits == 4 ? w->in / 2 : w->in, r0, r1, rows, row_ids);
+    __mmask16 mask = r1 - r0 >= 16 ? 0xFFFF : (__mmask16)((1u << (r1 - r0)) - 1);
+    __m512 scale = _mm512_setzero_ps();
+    if (w->bits == 4) {
+        int4_a8_pack(w, rows, row_ids, scratch);
+    } else {
+        int8_a8_pack(w, rows, scratch);
+        scale = _mm512_maskz_loadu_ps(mask, w->scales + r0);
+    }
+    for (int64_t pass = 0; pass < p.passes; pass++) {
+        __m512 out[A8_PACKED_PASS];
+        const int32_t *codes = p.codes + pass * blocks * 8 * P;
+        const float *d = p.d + pass * blocks * P, *xsum = p.xsum + pass * blocks * P;
+        int nb = B - pass * P < P ? (int)(B - pass * P) : (int)P;
+        if (w->bits == 4) {
+            a8_pass_of(4, nb, scratch, blocks, w->group / A8_BLOCK, codes, d, xsum, out);
+        } else {
+            a8_pass_of(8, nb, scratch, blocks, 1, codes, d, xsum, out);
+            for (int b = 0; b < nb; b++)
+                out[b] = _mm512_mul_ps(_mm512_sub_ps(out[b], _mm512_set1_ps(act.shift[pass * P + b])), scale);
         }
+        store_tile(out, w->bias, r0, r1, y + pass * P * w->out, w->out, nb, accumulate);
     }
 }
 

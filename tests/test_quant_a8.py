@@ -96,10 +96,11 @@ def test_int8_activations_differ_from_float_ones_by_the_rounding_only():
     assert 1e-4 < rel < 0.03, rel
 
 
-@pytest.mark.parametrize("rows", [13, 45])   # 45: int4's packed tile (>= 32 inputs, quant_a8_packed.h)
+@pytest.mark.parametrize("rows", [13, 45])   # 45: the packed tiles (>= 32 inputs, quant_a8_packed.h)
 def test_rows_are_independent_and_threads_do_not_change_bits(rows):
     """A row's output does not depend on the others in the call: the same bits alone (one input:
-    the per-pass transposes) as among 45 (int4: the tile unpacked once, quant_a8_packed.h)."""
+    the per-pass transposes) as among 45 (the tile packed once, the inputs interleaved 12 to a
+    pass, the last pass padded with copies of the last row: quant_a8_packed.h)."""
     w, x, bias = _case(300, 576, rows, seed=7)
     for bits in (4, 8):
         args = (4, *quantize_int4(w, 32), 32) if bits == 4 else (8, *quantize_int8(w), None, 0)
@@ -109,23 +110,30 @@ def test_rows_are_independent_and_threads_do_not_change_bits(rows):
         assert torch.equal(whole, qk.linear_a8(x, *args, bias, num_threads=1))
 
 
-def test_the_packed_tile_accumulates_like_the_passes():
-    """accumulate=1 through int4's packed tile (40 inputs at once) adds the same bits as 8 at a time."""
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_packed_tile_accumulates_like_the_passes(bits):
+    """accumulate=1 through the packed tile (40 inputs at once) adds the same bits as 8 at a time."""
     w, x, bias = _case(40, 64, 40, seed=2)
-    packed, s4, m4 = quantize_int4(w, 32)
+    if bits == 4:
+        weights = quantize_int4(w, 32)
+        ptrs = (weights[0].data_ptr(), weights[1].data_ptr(), weights[2].data_ptr(), 32)
+        ref = int4_linear_a8(x, *weights, 32, bias)
+    else:
+        weights = quantize_int8(w)
+        ptrs = (weights[0].data_ptr(), weights[1].data_ptr(), None, 0)
+        ref = int8_linear_a8(x, *weights, bias)
     base = torch.randn(40, 40, generator=torch.Generator().manual_seed(110))
     outs = []
     for chunk in (40, 8):
         y = base.clone()
         for i in range(0, 40, chunk):
             scratch, yc = torch.empty(chunk * 64 + chunk), y[i:i + chunk].clone()
-            qk._lib().ms_linear_a8(4, packed.data_ptr(), s4.data_ptr(), m4.data_ptr(), 32, bias.data_ptr(),
-                                   x[i:i + chunk].contiguous().data_ptr(), scratch.data_ptr(), yc.data_ptr(),
-                                   chunk, 64, 40, 1, 0)
+            qk._lib().ms_linear_a8(bits, *ptrs, bias.data_ptr(), x[i:i + chunk].contiguous().data_ptr(),
+                                   scratch.data_ptr(), yc.data_ptr(), chunk, 64, 40, 1, 0)
             y[i:i + chunk] = yc
         outs.append(y)
     assert torch.equal(outs[0], outs[1])
-    _assert_close(outs[0], base + int4_linear_a8(x, packed, s4, m4, 32, bias))
+    _assert_close(outs[0], base + ref)
 
 
 def test_refuses_widths_that_do_not_divide_into_blocks():
