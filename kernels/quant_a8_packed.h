@@ -12,8 +12,8 @@
  * block, the pass's inputs side by side, and each block's scales (and sums) the same way. A pass
  * then reads all its activations through one pointer at fixed offsets; read from B rows a row
  * apart, each of a pass's vpdpbusd also needed its own address arithmetic, and packing int8 tiles
- * alone measured 0.86-1.09x (2026-12-07). What both changes measured is on
- * docs/performance/vllm-zen4.md; benchmarks/bench_roofline.py's kernel table times both formats.
+ * alone did not pay. What both changes measured is on docs/performance/vllm-zen4.md;
+ * benchmarks/bench_roofline.py's kernel table times both formats.
  *
  * The integers and the order of the float operations are those of the per-pass tiles (each
  * block's exact int32 dot product, converted and scaled into the row's running sum block by block;
@@ -116,7 +116,7 @@ a8_packed_pass(const int bits, const int nb, const __m512i *packed, int64_t bloc
         __m512i dot[P];
         for (int b = 0; b < nb; b++) dot[b] = _mm512_setzero_si512();
         const int32_t *a = codes + k * 8 * P;
-        _Pragma("GCC unroll 8")   /* unrolled, the pass's sums stay in registers (measured: 1.5x) */
+        _Pragma("GCC unroll 8")   /* unrolled, the pass's sums stay in registers */
         for (int j = 0; j < 8; j++) {
             const __m512i Tj = _mm512_load_si512(packed + 8 * k + j);
             for (int b = 0; b < nb; b++) dot[b] = _mm512_dpbusd_epi32(dot[b], Tj, _mm512_set1_epi32(a[j * P + b]));
@@ -136,8 +136,9 @@ a8_packed_pass(const int bits, const int nb, const __m512i *packed, int64_t bloc
 }
 
 /* A pass of `left` inputs (the last one may be short): 12, or the next multiple of 4, so that a
- * call of 32 or 64 inputs computes no padding rows (measured: int4 at 32 rows lost 7 % padded to
- * 36). Rows past `left` in the pass are copies of the last input, their sums never stored. */
+ * call of 32 or 64 inputs computes no padding rows (padded to 12, int4 at 32 rows was slower:
+ * docs/performance/vllm-zen4.md). Rows past `left` in the pass are copies of the last input, their
+ * sums never stored. */
 static inline __attribute__((always_inline)) void
 a8_pass_of(const int bits, int64_t left, const __m512i *packed, int64_t blocks, int64_t per_group,
            const int32_t *codes, const float *d, const float *xsum, __m512 out[A8_PACKED_PASS]) {

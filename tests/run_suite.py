@@ -21,8 +21,8 @@ notebook kernels at one thread while the tests ask for their own.
 
 One more part starts while every worker is busy and a core has sat idle for the last ten seconds
 (half a core or more on average, with 4 GiB of memory free; tests/spare_cores.py reads the
-kernel's idle counts): some parts wait more than they compute (vLLM's kept half a core busy), and
-the idle half of a core takes the next part. Not when ``TEST_WORKERS`` sets the number.
+kernel's idle counts): some parts wait more than they compute (vLLM's part, the labs' paced
+arrivals), and the idle share of a core takes the next part. Not when ``TEST_WORKERS`` sets the number.
 
 Each part runs at one thread, so that each has a core of its own: tests through
 ``MINSERVE_TEST_THREADS=1`` (tests/conftest.py; a test that wants a team of two asks for it), the

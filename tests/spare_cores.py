@@ -1,11 +1,15 @@
 """How much of this process's cores sat idle lately, and whether one more part of the suite fits.
 
-tests/run_suite.py gives each usable core a worker; most parts keep their core busy (85-98 % of
-it), but some wait a lot: vLLM's part (its processes start one after another, the labs' requests
-arrive on a schedule) kept about half a core busy in every run measured, and a core sat idle
-beside it for three minutes. A part started while a core is idle makes use of it. The meter reads
-the kernel's own count of idle time per CPU (``/proc/stat``), so it sees every process on the
-machine, ours or not: on a box someone else is using, no extra part starts.
+tests/run_suite.py gives each usable core a worker; most parts keep their core busy, but some
+wait a lot: vLLM's part (its processes start one after another, the labs' requests arrive on a
+schedule) leaves much of its core idle (the runs' figures: docs/getting-started.md). A part
+started while a core is idle makes use of it. The meter reads the kernel's own count of idle time
+per CPU (``/proc/stat``), so it sees every process on the machine, ours or not: on a box someone
+else is using, no extra part starts.
+
+Why not minserve's own /proc/stat reader (``minserve.engine.threads.CpuLoadHint``) or the doctor's
+meminfo: the runner must not import the package it tests. A package that fails to import fails its
+parts, each with its report; a runner that imported it would fail before any part ran.
 """
 
 from __future__ import annotations
