@@ -102,6 +102,9 @@ def test_formats_and_thresholds():
     # a format's own settings go into quantization_config (the engine's argument), the rest stay
     assert (spec.quantization, spec.engine_args) == ("int4", {"note": "x", "quantization_config": {"group_size": 128}})
     assert gate.parse_format("fp32").is_reference and gate.parse_format("none").is_reference
+    # true / false are booleans wherever they go: an engine argument or quantization_config
+    spec = gate.parse_format("int4:fallback=TRUE:fused_decode=false")
+    assert spec.engine_args == {"fused_decode": False, "quantization_config": {"fallback": True}}
     assert not gate.parse_format("fp32:kv_cache_dtype=int8").is_reference
     with pytest.raises(ValueError, match="key=value"):
         gate.parse_format("int4:128")

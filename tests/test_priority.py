@@ -186,6 +186,20 @@ def test_server_schedules_interactive_before_queued_batch_flood():
         return real_add(request_id, prompt, params, **kw)
 
     engine.add_request = add_request
+    # The engine steps only once the whole flood has queued (or after 30 s): on a loaded machine
+    # the requests were posted slower than one seat served them, and the queue never built up.
+    real_step, flood_queued = engine.step, threading.Event()
+    hold_until = time.monotonic() + 30
+
+    def step():
+        if not flood_queued.is_set():
+            if len(engine.scheduler.waiting) < 8 and time.monotonic() < hold_until:
+                time.sleep(0.002)
+                return []
+            flood_queued.set()
+        return real_step()
+
+    engine.step = step
 
     with live_server(app) as base:
         def post(name, headers):
@@ -197,10 +211,7 @@ def test_server_schedules_interactive_before_queued_batch_flood():
                  for i in range(8)]
         for t in flood:
             t.start()
-        deadline = time.monotonic() + 30
-        while len(engine.scheduler.waiting) < 5:  # the batch flood is queued behind one runner
-            assert time.monotonic() < deadline, "the flood never queued up"
-            time.sleep(0.002)
+        assert flood_queued.wait(31) and len(engine.scheduler.waiting) >= 5, "the flood never queued up"
         post("interactive", {})
         for t in flood:
             t.join(120)

@@ -73,14 +73,15 @@ def parse_format(text: str) -> FormatSpec:
     quant = None if name.lower() in REFERENCE_NAMES else name
     # A format's own settings (int4:group_size=64) go where the engine takes them: quantization_config.
     from minserve.quant.schemes import CONFIG_KEYS
-    qc = {k: {"true": True, "false": False}.get(str(v).lower(), v) for k, v in args.items()
-          if k in CONFIG_KEYS.get(quant, ())}
+    qc = {k: v for k, v in args.items() if k in CONFIG_KEYS.get(quant, ())}
     if qc:
         args = {**{k: v for k, v in args.items() if k not in qc}, "quantization_config": qc}
     return FormatSpec(text.strip(), quant, args)
 
 
 def _value(text: str):
+    if text.lower() in ("true", "false"):   # fused_decode=false, fallback=true
+        return text.lower() == "true"
     for kind in (int, float):
         try:
             return kind(text)
