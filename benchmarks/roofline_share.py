@@ -8,7 +8,7 @@ step. The arithmetic ceiling is the one the row's own rounds measured, since the
 moves it 2-3x within minutes (host_phase.py): the fp32 FMA rate on every thread for float32 (a
 third of the AMX tile rate for fp32-high, fp32_matmul_precision="high"), the AMX tile rate for the rest where the CPU has tiles (bf16 weights multiply on them, and quantized
 weights are expanded to bf16 tiles at prefill sizes, kernels/quant.py), else the bf16 dot-product
-rate measured once. The int8-activation rows (``-a8``) multiply in integer dot products, which
+rate measured once; a ``-kv8`` row's K/V bytes are int8's. The int8-activation rows (``-a8``) multiply in integer dot products, which
 the probe does not time: only their batch-1 decode, which their bytes bound, gets a share. Both
 engines get the same formulas: a row's share says how much of the machine that engine used for
 the work both had to do.
@@ -24,9 +24,18 @@ ROW_FORMATS = {"fp32": ("fp32", "float32"), "fp32-high": ("fp32", "float32"), "b
                "int4-a8": ("int4", "float32")}
 
 
+# A minserve row's name + this suffix: the same engine with its K/V in int8 (kv_cache_dtype="int8").
+KV8 = "-kv8"
+
+
 def row_format(name: str) -> tuple[str, str]:
     """("fp32", "float32") for "minserve-fp32" or "vllm-fp32", and so on."""
-    return ROW_FORMATS[name.split("-", 1)[1]]
+    return ROW_FORMATS[name.removesuffix(KV8).split("-", 1)[1]]
+
+
+def row_kv_cache_dtype(name: str) -> str:
+    """The kv_cache_dtype a row runs with: "int8" for a ``-kv8`` row, else "auto"."""
+    return "int8" if name.endswith(KV8) else "auto"
 
 
 def arithmetic_ceiling(name: str, probes: list[dict], bf16_dot: float | None) -> float | None:
@@ -34,7 +43,7 @@ def arithmetic_ceiling(name: str, probes: list[dict], bf16_dot: float | None) ->
     def median(key):
         vals = [p[key] for p in probes if p.get(key)]
         return statistics.median(vals) if vals else None
-    if name.endswith("-a8"):
+    if name.removesuffix(KV8).endswith("-a8"):
         return None
     from bench_roofline import bf16_ceiling, fp32_high_ceiling   # the roofline script's own rules
     if name.endswith("-high"):
@@ -58,7 +67,7 @@ def shares(engines: dict, cfg, args, bandwidth_gbs: float, bf16_dot: float | Non
     for name, r in engines.items():
         precision, dtype = row_format(name)
         w = budget.weight_bytes(cfg, precision, dtype).per_step
-        kv = kv_cache_bytes_per_token(cfg, "auto", dtype)
+        kv = kv_cache_bytes_per_token(cfg, row_kv_cache_dtype(name), dtype)
         gflops = arithmetic_ceiling(name, r.get("host_probe_runs", []), bf16_dot)
         rate = gflops * 1e9 if gflops else float("inf")
         steps = {"prefill": (budget.prefill(cfg, w, kv, args.prefill_len, bw, rate),

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_vs_vllm import ENGINES, GATE_FAILS, MATCHED, METRICS, markdown, ratios  # noqa: E402
+from bench_vs_vllm import ENGINES, GATE_FAILS, KV8_GATE_PASSES, MATCHED, METRICS, markdown, passes_gate, ratios  # noqa: E402
 from host_phase import busy_cores, phase_notes, probe_line, wait_until_quiet  # noqa: E402
 
 
@@ -27,6 +27,41 @@ def test_best_minserve_skips_formats_that_fail_the_gate():
 def test_gate_failures_name_real_engines():
     assert set(GATE_FAILS) <= set(ENGINES)
     assert {"minserve-int4-a8", "minserve-int8-a8"} <= set(ENGINES)
+    assert {n.removesuffix("-kv8") for n in KV8_GATE_PASSES} <= set(ENGINES)
+
+
+def test_an_int8_kv_row_counts_only_where_it_passed_the_gate_itself():
+    assert passes_gate("minserve-int4-a8") and passes_gate("minserve-int4-a8-kv8")
+    assert passes_gate("minserve-fp32") and not passes_gate("minserve-fp32-kv8")   # not measured: no credit
+    assert not passes_gate("minserve-int8-a8") and not passes_gate("minserve-int8-a8-kv8")
+    engines = {"minserve-bf16": _row(2.0), "minserve-fp32-kv8": _row(9.0), "minserve-int4-a8-kv8": _row(3.0),
+               "vllm-bf16": _row(1.0)}
+    assert ratios(engines)["best minserve / best vLLM"] == pytest.approx(_row(3.0))
+
+
+def test_kv8_rows_build_with_an_int8_cache_and_are_refused_for_vllm():
+    from bench_vs_vllm import make_engine
+    from roofline_share import row_format, row_kv_cache_dtype
+    assert row_kv_cache_dtype("minserve-int4-a8-kv8") == "int8" and row_kv_cache_dtype("minserve-int4-a8") == "auto"
+    assert row_format("minserve-int4-a8-kv8") == row_format("minserve-int4-a8")
+
+    class Args:   # the fields MinserveEngine reads
+        max_num_seqs, max_num_batched_tokens, max_model_len, kv_cache_gib, seed = 2, 64, 128, 0.01, 0
+        temperature, top_p = 0.0, 1.0
+    import minserve
+    built = {}
+    real = minserve.LLM
+
+    class FakeLLM:
+        def __init__(self, model, **kw):
+            built.update(kw)
+    minserve.LLM = FakeLLM
+    try:
+        e = make_engine("minserve-int4-a8-kv8", Args, None, None)
+    finally:
+        minserve.LLM = real
+    assert built["kv_cache_dtype"] == "int8" and built["quantization"] == "int4"
+    assert built["quantization_config"] == {"activations": "int8"} and e.info["kv_cache_dtype"] == "int8"
 
 
 def test_step_kinds_account_for_every_prompt_token_and_decode_row():
