@@ -20,10 +20,11 @@ decode; ``step_kinds.py``): the profile that says what bounds the mixed figure.
 Engines: minserve fp32 / fp32-high (``fp32_matmul_precision="high"``) / bf16 (``dtype="bfloat16"``) /
 int8 / int4 in this process
 (``EngineConfig.quantization``), int8-a8 / int4-a8 (W8A8 / W4A8: the same weights with
-``quantization_config={"activations": "int8"}``, integer dot products), any of them with ``-kv8``
-(``kv_cache_dtype="int8"``: minserve-int4-a8-kv8), vLLM fp32 /
+``quantization_config={"activations": "int8"}``, integer dot products), vLLM fp32 /
 bf16 each in a long-lived worker subprocess of vLLM's venv (``make vllm-venv``) that holds one
-``vllm.LLM``. Runs alternate (engine after engine, the order rotated each round) and every figure
+``vllm.LLM``. Any of them with ``-kv8`` keeps its K/V in 8 bits: ``kv_cache_dtype="int8"`` in
+minserve (minserve-int4-a8-kv8), vLLM's ``"fp8"`` (vllm-bf16-kv8: its CPU backend's only quantized
+cache, one scale per tensor). Runs alternate (engine after engine, the order rotated each round) and every figure
 is the median over rounds: a noisy neighbour on a shared 2-core box then hurts all engines alike.
 Each engine's round starts once the machine is quiet (``host_phase.start_round``: vLLM's worker
 keeps a core busy for about a second after its last request) and with a host probe
@@ -91,6 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--kv-cache-dtype", default="auto", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     for name, full, quick in (("num_requests", 48, 8), ("decode_tokens", 128, 32),
                               ("prefill_prompts", 3, 1), ("runs", 3, 1)):
@@ -112,7 +114,8 @@ def vllm_worker(args) -> None:
     from vllm import LLM, SamplingParams
     llm = LLM(model=args.model_dir, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enforce_eager=True, enable_prefix_caching=False, seed=args.seed)
+              enforce_eager=True, enable_prefix_caching=False, seed=args.seed,
+              kv_cache_dtype=args.kv_cache_dtype)
     answers.write(json.dumps({"ready": True, "vllm": vllm.__version__, "torch": torch.__version__}) + "\n")
     for line in sys.stdin:
         job = json.loads(line)
@@ -131,7 +134,7 @@ def vllm_worker(args) -> None:
 class VllmEngine:
     """A worker subprocess holding one ``vllm.LLM``; ``run`` times one ``generate`` there."""
 
-    def __init__(self, name: str, dtype: str, args, model_dir: Path, log_dir: Path):
+    def __init__(self, name: str, dtype: str, args, model_dir: Path, log_dir: Path, kv_cache_dtype: str = "auto"):
         sys.path.insert(0, str(HERE.parent / "tests"))
         from vllm_peer import vllm_env, vllm_venv, vllm_venv_dir
         python = vllm_venv()
@@ -147,13 +150,14 @@ class VllmEngine:
                "--model-dir", str(model_dir), "--max-model-len", str(args.max_model_len),
                "--max-num-seqs", str(args.max_num_seqs),
                "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--seed", str(args.seed),
-               "--temperature", str(args.temperature), "--top-p", str(args.top_p)]
+               "--temperature", str(args.temperature), "--top-p", str(args.top_p),
+               "--kv-cache-dtype", kv_cache_dtype]
         with open(self.log_path, "wb") as log:
             # cwd: not the repository, whose kernels/ vLLM's helper processes (`python -m`, the
             # cwd first on their path) would find as Hugging Face's `kernels` package and fail on.
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                          env=env, text=True, start_new_session=True, cwd=log_dir)
-        self.info = self._read()
+        self.info = {**self._read(), "kv_cache_dtype": kv_cache_dtype}
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -208,10 +212,10 @@ class MinserveEngine:
 
 def make_engine(name: str, args, model_dir: Path, log_dir: Path):
     kind, fmt = name.split("-", 1)
-    if kind == "vllm":
-        return VllmEngine(name, {"fp32": "float32", "bf16": "bfloat16"}[fmt], args, model_dir, log_dir)
-    kv = {"kv_cache_dtype": row_kv_cache_dtype(name)}   # minserve-int4-a8-kv8: K/V in int8
+    kv = {"kv_cache_dtype": row_kv_cache_dtype(name)}   # minserve-int4-a8-kv8: K/V in int8; vLLM's in fp8
     fmt = fmt.removesuffix(KV8)
+    if kind == "vllm":
+        return VllmEngine(name, {"fp32": "float32", "bf16": "bfloat16"}[fmt], args, model_dir, log_dir, **kv)
     if fmt == "bf16":
         return MinserveEngine(name, None, args, dtype="bfloat16", **kv)
     if fmt == "fp32-high":
@@ -354,11 +358,10 @@ def main() -> None:
     from minserve.models.loader import load_tokenizer, resolve_model_dir
 
     names = [n.strip() for n in args.engines.split(",") if n.strip()]
-    bad = [n for n in names if n.removesuffix(KV8) not in ENGINES
-           or (n.endswith(KV8) and not n.startswith("minserve-"))]
+    bad = [n for n in names if n.removesuffix(KV8) not in ENGINES]
     if bad:
-        raise SystemExit(f"--engines must name only {', '.join(ENGINES)} (a minserve one optionally "
-                         f"with {KV8}), got {bad}")
+        raise SystemExit(f"--engines must name only {', '.join(ENGINES)} (each optionally with {KV8}), "
+                         f"got {bad}")
     model_dir = resolve_model_dir("smollm2-135m")
     work, decode_prompt, long_prompts, batch_prompts = workloads(args, load_tokenizer(model_dir))
     log_dir = Path(tempfile.mkdtemp(prefix="minserve-vs-vllm-"))

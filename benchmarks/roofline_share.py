@@ -24,7 +24,7 @@ ROW_FORMATS = {"fp32": ("fp32", "float32"), "fp32-high": ("fp32", "float32"), "b
                "int4-a8": ("int4", "float32")}
 
 
-# A minserve row's name + this suffix: the same engine with its K/V in int8 (kv_cache_dtype="int8").
+# A row's name + this suffix: the same engine with its K/V in 8 bits (minserve's int8, vLLM's fp8).
 KV8 = "-kv8"
 
 
@@ -34,8 +34,10 @@ def row_format(name: str) -> tuple[str, str]:
 
 
 def row_kv_cache_dtype(name: str) -> str:
-    """The kv_cache_dtype a row runs with: "int8" for a ``-kv8`` row, else "auto"."""
-    return "int8" if name.endswith(KV8) else "auto"
+    """The kv_cache_dtype a row runs with: a ``-kv8`` row "int8" (minserve) or "fp8" (vLLM), else "auto"."""
+    if not name.endswith(KV8):
+        return "auto"
+    return "fp8" if name.startswith("vllm-") else "int8"
 
 
 def arithmetic_ceiling(name: str, probes: list[dict], bf16_dot: float | None) -> float | None:
@@ -67,7 +69,8 @@ def shares(engines: dict, cfg, args, bandwidth_gbs: float, bf16_dot: float | Non
     for name, r in engines.items():
         precision, dtype = row_format(name)
         w = budget.weight_bytes(cfg, precision, dtype).per_step
-        kv = kv_cache_bytes_per_token(cfg, row_kv_cache_dtype(name), dtype)
+        # 8-bit K/V: int8's bytes (with its scales) stand for vLLM's fp8 too (one scale per tensor)
+        kv = kv_cache_bytes_per_token(cfg, "auto" if row_kv_cache_dtype(name) == "auto" else "int8", dtype)
         gflops = arithmetic_ceiling(name, r.get("host_probe_runs", []), bf16_dot)
         rate = gflops * 1e9 if gflops else float("inf")
         steps = {"prefill": (budget.prefill(cfg, w, kv, args.prefill_len, bw, rate),

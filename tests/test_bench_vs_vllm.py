@@ -39,10 +39,11 @@ def test_an_int8_kv_row_counts_only_where_it_passed_the_gate_itself():
     assert ratios(engines)["best minserve / best vLLM"] == pytest.approx(_row(3.0))
 
 
-def test_kv8_rows_build_with_an_int8_cache_and_are_refused_for_vllm():
+def test_kv8_rows_build_with_an_int8_cache():
     from bench_vs_vllm import make_engine
     from roofline_share import row_format, row_kv_cache_dtype
     assert row_kv_cache_dtype("minserve-int4-a8-kv8") == "int8" and row_kv_cache_dtype("minserve-int4-a8") == "auto"
+    assert row_kv_cache_dtype("vllm-bf16-kv8") == "fp8" and row_kv_cache_dtype("vllm-bf16") == "auto"
     assert row_format("minserve-int4-a8-kv8") == row_format("minserve-int4-a8")
 
     class Args:   # the fields MinserveEngine reads
