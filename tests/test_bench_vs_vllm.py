@@ -39,7 +39,7 @@ def test_an_int8_kv_row_counts_only_where_it_passed_the_gate_itself():
     assert ratios(engines)["best minserve / best vLLM"] == pytest.approx(_row(3.0))
 
 
-def test_kv8_rows_build_with_an_int8_cache():
+def test_kv8_rows_build_with_an_int8_cache(monkeypatch):
     from bench_vs_vllm import make_engine
     from roofline_share import row_format, row_kv_cache_dtype
     assert row_kv_cache_dtype("minserve-int4-a8-kv8") == "int8" and row_kv_cache_dtype("minserve-int4-a8") == "auto"
@@ -51,16 +51,12 @@ def test_kv8_rows_build_with_an_int8_cache():
         temperature, top_p = 0.0, 1.0
     import minserve
     built = {}
-    real = minserve.LLM
 
     class FakeLLM:
         def __init__(self, model, **kw):
             built.update(kw)
-    minserve.LLM = FakeLLM
-    try:
-        e = make_engine("minserve-int4-a8-kv8", Args, None, None)
-    finally:
-        minserve.LLM = real
+    monkeypatch.setattr(minserve, "LLM", FakeLLM)
+    e = make_engine("minserve-int4-a8-kv8", Args, None, None)
     assert built["kv_cache_dtype"] == "int8" and built["quantization"] == "int4"
     assert built["quantization_config"] == {"activations": "int8"} and e.info["kv_cache_dtype"] == "int8"
 
