@@ -253,6 +253,30 @@ score_pass(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t
     }
 }
 
+#define KEY_RUN 16
+#define VALUE_CHUNKS (DVEC_LANES == 16 ? 4 : 2)   /* AVX2's 16 registers: G x 2 sums, not G x 4 */
+
+/* value_key_run's sums for `chunks` vectors of D from column i (chunks: a constant at each call). */
+static inline __attribute__((always_inline)) void
+value_chunks(const char *vc, const int64_t *ents, int n, const float *p, int64_t D, float *out,
+             int64_t i, const int chunks, const int G, const int fmt) {
+    const int64_t elt = kv_elt(fmt);
+    dvec acc[ATTN_GROUP][VALUE_CHUNKS];
+    for (int h = 0; h < G; h++)
+        for (int c = 0; c < chunks; c++) acc[h][c] = dvec_load(out + h * D + i + c * DVEC_LANES);
+    for (int j = 0; j < n; j++) {
+        const char *v = vc + ents[j] * D * elt;
+        dvec vv[VALUE_CHUNKS];
+        for (int c = 0; c < chunks; c++) vv[c] = kv_load(v, i + c * DVEC_LANES, fmt);
+        for (int h = 0; h < G; h++) {
+            dvec pj = (dvec){0} + p[h * KEY_RUN + j];
+            for (int c = 0; c < chunks; c++) acc[h][c] = dvec_fma(acc[h][c], vv[c], pj);
+        }
+    }
+    for (int h = 0; h < G; h++)
+        for (int c = 0; c < chunks; c++) dvec_store(out + h * D + i + c * DVEC_LANES, acc[h][c]);
+}
+
 /* out_h += p_j v_j over the keys of one run (entries ents[j], p_j = p[h * KEY_RUN + j]) for the G
  * heads at out (D floats apart), in key order: the same sums as one key at a time, with the G
  * outputs held in registers across the run instead of loaded and stored at every key. Up to
@@ -260,38 +284,15 @@ score_pass(const ModelPtrs *m, const LayerPtrs *L, const float *q, const int64_t
  * and the G x VALUE_CHUNKS sums are independent chains of multiply-adds (one chunk at a time, the
  * G chains of 16 dependent multiply-adds waited on their latency; docs/performance/vllm-zen4.md
  * has the profile and the timings). Each sum still adds its keys in order: the same bits. */
-#define KEY_RUN 16
-#define VALUE_CHUNKS (DVEC_LANES == 16 ? 4 : 2)   /* AVX2's 16 registers: G x 2 sums, not G x 4 */
 static inline __attribute__((always_inline)) void
 value_key_run(const char *vc, const int64_t *ents, int n, const float *p, int64_t D, float *out,
               const int G, const int fmt) {
     const int64_t elt = kv_elt(fmt);
     int64_t i = 0;
-    for (; i + VALUE_CHUNKS * DVEC_LANES <= D; i += VALUE_CHUNKS * DVEC_LANES) {
-        dvec acc[ATTN_GROUP][VALUE_CHUNKS];
-        for (int h = 0; h < G; h++)
-            for (int c = 0; c < VALUE_CHUNKS; c++) acc[h][c] = dvec_load(out + h * D + i + c * DVEC_LANES);
-        for (int j = 0; j < n; j++) {
-            const char *v = vc + ents[j] * D * elt;
-            dvec vv[VALUE_CHUNKS];
-            for (int c = 0; c < VALUE_CHUNKS; c++) vv[c] = kv_load(v, i + c * DVEC_LANES, fmt);
-            for (int h = 0; h < G; h++) {
-                dvec pj = (dvec){0} + p[h * KEY_RUN + j];
-                for (int c = 0; c < VALUE_CHUNKS; c++) acc[h][c] = dvec_fma(acc[h][c], vv[c], pj);
-            }
-        }
-        for (int h = 0; h < G; h++)
-            for (int c = 0; c < VALUE_CHUNKS; c++) dvec_store(out + h * D + i + c * DVEC_LANES, acc[h][c]);
-    }
-    for (; i + DVEC_LANES <= D; i += DVEC_LANES) {
-        dvec acc[ATTN_GROUP];
-        for (int h = 0; h < G; h++) acc[h] = dvec_load(out + h * D + i);
-        for (int j = 0; j < n; j++) {
-            dvec vv = kv_load(vc + ents[j] * D * elt, i, fmt);
-            for (int h = 0; h < G; h++) acc[h] = dvec_fma(acc[h], vv, (dvec){0} + p[h * KEY_RUN + j]);
-        }
-        for (int h = 0; h < G; h++) dvec_store(out + h * D + i, acc[h]);
-    }
+    for (; i + VALUE_CHUNKS * DVEC_LANES <= D; i += VALUE_CHUNKS * DVEC_LANES)
+        value_chunks(vc, ents, n, p, D, out, i, VALUE_CHUNKS, G, fmt);
+    for (; i + DVEC_LANES <= D; i += DVEC_LANES)
+        value_chunks(vc, ents, n, p, D, out, i, 1, G, fmt);
     for (; i < D; i++)
         for (int j = 0; j < n; j++)
             for (int h = 0; h < G; h++) out[h * D + i] += p[h * KEY_RUN + j] * kv_elem(vc + ents[j] * D * elt, i, fmt);
