@@ -235,11 +235,12 @@ def _c_bf16_matmul(kind: str):
 def _int8_rates(x, w) -> dict:
     """GOP/s of the int8-activation products: minserve's C loops (kernels/quant_a8.h: the input
     quantized per block of 32 columns inside the call, the scheme `minserve eval` passes) for W8A8
-    and W4A8 (int4 g32), and oneDNN's int8 GEMM (``torch._int_mm``) on inputs already quantized
+    and W4A8 (int4 g32; again with the weight laid out at load in the loops' tile order, as an
+    engine with int8 activations keeps it: quant_a8_tiles.h), and oneDNN's int8 GEMM (``torch._int_mm``) on inputs already quantized
     with one scale per row, the coarser scheme such a GEMM needs (the per-row scales are applied
     outside it). None where a path is missing (no C compiler; an int8 GEMM this torch build lacks)."""
     import torch
-    from minserve.kernels.quant import a8_isa, linear_a8
+    from minserve.kernels.quant import a8_isa, a8_tiles, linear_a8
     from minserve.quant.formats import quantize_int4, quantize_int8
     codes, scales = quantize_int8(w)
     int4 = quantize_int4(w, 32)
@@ -248,6 +249,9 @@ def _int8_rates(x, w) -> dict:
                                  if a8_isa() else None)
     out["minserve C int4 a8"] = (ops / _median_time(lambda: linear_a8(x, 4, *int4, 32)) / 1e9
                                  if a8_isa() else None)
+    tiles = a8_tiles(*int4, 32) if a8_isa() else None   # laid out once, as an engine does (quant_a8_tiles.h)
+    out["minserve C int4 a8, tiles"] = (ops / _median_time(lambda: linear_a8(x, 4, *int4, 32, tiles=tiles)) / 1e9
+                                        if tiles is not None else None)
     xq = torch.randint(-127, 128, x.shape, dtype=torch.int8)
     try:
         out["oneDNN int8"] = ops / _median_time(lambda: torch._int_mm(xq, codes.t())) / 1e9
@@ -309,7 +313,8 @@ def kernel_rates() -> list[dict]:
         rows.append({"kernel": f"causal attention, 1024 tokens, {str(dtype).replace('torch.', '')}",
                      "MKL fp32": None, "oneDNN fp32": None, bf16_name: None, "minserve C": c,
                      "minserve bf16 tiles": None, "minserve fp32 split tiles": None, "flash SDPA": flops / t / 1e9,
-                     "minserve C int8 a8": None, "minserve C int4 a8": None, "oneDNN int8": None,
+                     "minserve C int8 a8": None, "minserve C int4 a8": None, "minserve C int4 a8, tiles": None,
+                     "oneDNN int8": None,
                      **dict.fromkeys(c_bf16)})
     return rows
 

@@ -85,6 +85,7 @@ typedef struct {             /* one weight matrix [out, in], as its descriptor d
     int64_t act_int8;        /* int8 / int4 with in % 32 == 0: quantize the input rows (quant_a8.h) */
     const uint16_t *split_hi, *split_lo;   /* f32 at fp32_matmul_precision "high": the weight as two
                                               bf16 halves [out, in] for the tiles (amx_matmul); else NULL */
+    const void *a8_tiles;    /* int4 with act_int8: the weight in quant_a8_tiles.h's order, or NULL */
 } Weight;
 
 typedef struct {
@@ -432,7 +433,7 @@ static int64_t matmul(const Weight *w, const float *x, float *xs, float *y, int6
         return dense_matmul(w->data, w->bias, x, xs, y, B, in, out, accumulate,
                             w->format == WEIGHT_BF16, nthreads);
     QWeight q = {w->format == WEIGHT_INT8 ? 8 : 4, w->data, w->scales, w->mins, w->bias,
-                 w->group_size, in, out};
+                 w->group_size, in, out, w->act_int8 ? w->a8_tiles : NULL};
     if (w->act_int8)
         return qmatmul_a8(&q, x, a8_scratch(xs, B, in), y, B, accumulate, nthreads);
     if (w->format == WEIGHT_INT4) {

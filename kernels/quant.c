@@ -29,7 +29,7 @@ static int team_size(int64_t nthreads) { return nthreads > 0 ? (int)nthreads : o
 int64_t ms_int8_linear(const int8_t *codes, const float *scales, const float *bias, const float *x,
                        float *y, int64_t B, int64_t in, int64_t out, int64_t accumulate,
                        int64_t nthreads) {
-    QWeight w = {8, codes, scales, NULL, bias, 0, in, out};
+    QWeight w = {8, codes, scales, NULL, bias, 0, in, out, NULL};
     return qmatmul(&w, x, y, B, (int)accumulate, team_size(nthreads));
 }
 
@@ -44,7 +44,7 @@ int64_t ms_int4_linear(const uint8_t *packed, const float *scales, const float *
     if ((group != 32 && group != 64 && group != 128) || in % group)
         return -1;   /* the Python side checks first; this only keeps a bad call from reading past */
     ms_int4_order_columns(x, xs, B * in);
-    QWeight w = {4, packed, scales, mins, bias, group, in, out};
+    QWeight w = {4, packed, scales, mins, bias, group, in, out, NULL};
     return qmatmul(&w, xs, y, B, (int)accumulate, team_size(nthreads));
 }
 
@@ -93,12 +93,40 @@ void ms_quantize_a8(const float *x, int64_t B, int64_t in, int64_t int4_order, i
 }
 
 /* y = x @ W^T (+ bias) with x quantized in blocks of 32 (in % 32 == 0, else -1). scratch: B * in + B
- * floats. bits: 8 (codes int8 [out, in], scales [out]) or 4 (packed, scales, mins as ms_int4_linear). */
+ * floats. bits: 8 (codes int8 [out, in], scales [out]) or 4 (packed, scales, mins as ms_int4_linear).
+ * tiles: NULL, or for int4 the same weight as ms_a8_tile_int4 laid it out (read instead). */
 int64_t ms_linear_a8(int64_t bits, const void *codes, const float *scales, const float *mins,
                      int64_t group, const float *bias, const float *x, float *scratch, float *y,
-                     int64_t B, int64_t in, int64_t out, int64_t accumulate, int64_t nthreads) {
+                     int64_t B, int64_t in, int64_t out, int64_t accumulate, int64_t nthreads,
+                     const void *tiles) {
     if (in % A8_BLOCK || (bits == 4 && (group % A8_BLOCK || in % group)) || (bits != 4 && bits != 8))
         return -1;
-    QWeight w = {(int)bits, codes, scales, mins, bias, group, in, out};
+    QWeight w = {(int)bits, codes, scales, mins, bias, group, in, out, bits == 4 ? tiles : NULL};
     return qmatmul_a8(&w, x, a8_scratch(scratch, B, in), y, B, (int)accumulate, team_size(nthreads));
+}
+
+/* Bytes of an int4 weight [out, in] with group size `group` in the tile order of quant_a8_tiles.h;
+ * 0 where this build has no such loops (no AVX-512 VNNI: the row-major loops serve). */
+int64_t ms_a8_tiles_bytes(int64_t in, int64_t out, int64_t group) {
+#ifdef MINSERVE_QUANT_A8_TILES_H
+    if (in % A8_BLOCK || group % A8_BLOCK || in % group) return 0;
+    return (out + ROW_TILE - 1) / ROW_TILE * a8_tile_vectors(in, group) * 64;
+#else
+    (void)in, (void)out, (void)group;
+    return 0;
+#endif
+}
+
+/* The int4 weight (packed, scales, mins as ms_int4_linear) into tiles (ms_a8_tiles_bytes of them,
+ * 64-byte aligned); -1 where that is 0 or tiles is misaligned. */
+int64_t ms_a8_tile_int4(const uint8_t *packed, const float *scales, const float *mins, int64_t group,
+                        int64_t in, int64_t out, void *tiles, int64_t nthreads) {
+    if (!ms_a8_tiles_bytes(in, out, group) || (uintptr_t)tiles % 64) return -1;
+#ifdef MINSERVE_QUANT_A8_TILES_H
+    QWeight w = {4, packed, scales, mins, NULL, group, in, out, NULL};
+    a8_tile_int4(&w, tiles, team_size(nthreads));
+#else
+    (void)packed, (void)scales, (void)mins, (void)nthreads;
+#endif
+    return 0;
 }

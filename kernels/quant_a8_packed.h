@@ -50,7 +50,7 @@ static A8Passes a8_interleave(Activations8 act, int64_t B, int64_t in, int int4,
     A8Passes p = {(int32_t *)buf, NULL, NULL, passes};
     p.d = (float *)(p.codes + passes * blocks * 8 * P);
     p.xsum = p.d + passes * blocks * P;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (B * in >= 16384)
     for (int64_t pass = 0; pass < passes; pass++)
         for (int64_t b = 0; b < P; b++) {
             int64_t row = pass * P + b < B ? pass * P + b : B - 1;
@@ -66,12 +66,38 @@ static A8Passes a8_interleave(Activations8 act, int64_t B, int64_t in, int int4,
     return p;
 }
 
+/* Each int4 group's scales and mins of a tile's 16 rows as two vectors, group after group:
+ * sm[2 * g] the scales, sm[2 * g + 1] the mins (columns16, 16 groups at a time). */
+static void int4_group_levels(const QWeight *w, const int64_t row_ids[ROW_TILE], __m512 *sm) {
+    const int64_t groups = w->in / w->group;
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+        __m512 scale[16], min[16];
+        int ng = groups - g0 < 16 ? (int)(groups - g0) : 16;
+        columns16(w->scales, groups, row_ids, g0, ng, scale);
+        columns16(w->mins, groups, row_ids, g0, ng, min);
+        for (int g = 0; g < ng; g++) sm[2 * (g0 + g)] = scale[g], sm[2 * (g0 + g) + 1] = min[g];
+    }
+}
+
+/* A block's int4 sums into the pass's float sums, in int4_a8_tile's order: each int32 sum
+ * converted, times its group's scale times the input's block scale, then the min times the
+ * block's float sum. d, xsum: the block's values for the pass's inputs. */
+static inline __attribute__((always_inline)) void
+int4_scale_block(const int nb, const __m512i *dot, __m512 s, __m512 m, const float *d, const float *xsum,
+                 __m512 *out) {
+    for (int b = 0; b < nb; b++) {
+        __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(d[b]));
+        out[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[b]), sd, out[b]);
+        out[b] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[b]), out[b]);
+    }
+}
+
 /* The int4 tile in vpdpbusd's lane order, nibbles as bytes: 8 vectors per block of 32 columns
  * (the 4 low-nibble vectors, then the 4 high), then each group's scales and mins as vectors
  * (columns16), after the blocks: packed[8 * blocks + 2 * g] and [8 * blocks + 2 * g + 1]. */
 static void int4_a8_pack(const QWeight *w, const uint8_t *const rows[ROW_TILE], const int64_t row_ids[ROW_TILE],
                          __m512i *packed) {
-    const int64_t in = w->in, groups = in / w->group, blocks = in / A8_BLOCK;
+    const int64_t blocks = w->in / A8_BLOCK;
     const __m512i nibble = _mm512_set1_epi8(15);
     for (int64_t k = 0; k < blocks; k++) {
         __m512i T[4];
@@ -81,14 +107,7 @@ static void int4_a8_pack(const QWeight *w, const uint8_t *const rows[ROW_TILE], 
             _mm512_store_si512(packed + 8 * k + 4 + j, _mm512_and_si512(_mm512_srli_epi16(T[j], 4), nibble));
         }
     }
-    __m512 *sm = (__m512 *)(packed + 8 * blocks);
-    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-        __m512 scale[16], min[16];
-        int ng = groups - g0 < 16 ? (int)(groups - g0) : 16;
-        columns16(w->scales, groups, row_ids, g0, ng, scale);
-        columns16(w->mins, groups, row_ids, g0, ng, min);
-        for (int g = 0; g < ng; g++) sm[2 * (g0 + g)] = scale[g], sm[2 * (g0 + g) + 1] = min[g];
-    }
+    int4_group_levels(w, row_ids, (__m512 *)(packed + 8 * blocks));
 }
 
 /* The int8 tile in vpdpbusd's lane order, each code + 128 (unsigned, as int8_a8_tile makes them):
@@ -122,12 +141,8 @@ a8_packed_pass(const int bits, const int nb, const __m512i *packed, int64_t bloc
             for (int b = 0; b < nb; b++) dot[b] = _mm512_dpbusd_epi32(dot[b], Tj, _mm512_set1_epi32(a[j * P + b]));
         }
         if (bits == 4) {
-            const __m512 s = sm[2 * (k / per_group)], m = sm[2 * (k / per_group) + 1];
-            for (int b = 0; b < nb; b++) {
-                __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(d[k * P + b]));
-                out[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[b]), sd, out[b]);
-                out[b] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[k * P + b]), out[b]);
-            }
+            int4_scale_block(nb, dot, sm[2 * (k / per_group)], sm[2 * (k / per_group) + 1], d + k * P,
+                             xsum + k * P, out);
         } else {
             for (int b = 0; b < nb; b++)
                 out[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[b]), _mm512_set1_ps(d[k * P + b]), out[b]);

@@ -340,13 +340,13 @@ def test_kernel_cache_key_covers_the_files_a_source_includes(tmp_path, monkeypat
     """decode.c and quant.c share quant_dot.h (through quant_a8.h): editing it must rebuild both."""
     decode_files = {p.name for p in kernel_build.source_files("decode")}
     assert decode_files == {"decode.c", "decode_attention.h", "quant_dot.h", "quant_a8.h", "quant_a8_packed.h",
-                            "vmath.h", "amx_bf16.h"}
+                            "quant_a8_tiles.h", "vmath.h", "amx_bf16.h"}
     assert {p.name for p in kernel_build.source_files("prefill_attention")} == {
         "prefill_attention.c", "prefill_attention_amx.h", "amx_bf16.h", "quant_dot.h", "vmath.h"}
     assert {p.name for p in kernel_build.source_files("bf16_gemm")} == {
         "bf16_gemm.c", "amx_bf16.h", "quant_dot.h", "vmath.h"}
     assert {p.name for p in kernel_build.source_files("quant")} == {"quant.c", "quant_dot.h", "quant_a8.h",
-                                                                    "quant_a8_packed.h"}
+                                                                    "quant_a8_packed.h", "quant_a8_tiles.h"}
     before = {name: kernel_build.library_path(name) for name in ("decode", "quant")}
     for name in decode_files | {"quant.c"}:
         shutil.copy(kernel_build.SOURCE_DIR / name, tmp_path / name)

@@ -150,6 +150,20 @@ class Int4Linear(_QuantLinear):
         self.register_buffer("packed", packed)
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
+        self.a8_tiles: torch.Tensor | None = None   # tile_for_a8()
+
+    def tile_for_a8(self) -> bool:
+        """Keep the weight also in the int8-activation loops' tile order (kernels/quant_a8_tiles.h),
+        which every product of this layer then reads instead of transposing its rows on each call:
+        the same outputs, bit for bit, faster at every row count, for a second copy of the codes,
+        scales and mins. An engine with int8 activations on a CPU with AVX-512 VNNI calls this once
+        its weights are in place (minserve/engine/model_runner.py). False where those loops are
+        not built here or the layer's inputs stay float: nothing changes then."""
+        if self.activations != "int8" or self.packed.device.type != "cpu":
+            return False
+        from minserve.kernels.quant import a8_tiles
+        self.a8_tiles = a8_tiles(self.packed, self.scales, self.mins, self.group_size)
+        return self.a8_tiles is not None
 
     def dequantize(self) -> torch.Tensor:
         return formats.dequantize_int4(self.packed, self.scales, self.mins, self.group_size)
@@ -161,7 +175,7 @@ class Int4Linear(_QuantLinear):
     def _a8(self, x, bias, c_kernel: bool):
         if c_kernel:
             from minserve.kernels.quant import linear_a8
-            return linear_a8(x, 4, self.packed, self.scales, self.mins, self.group_size, bias)
+            return linear_a8(x, 4, self.packed, self.scales, self.mins, self.group_size, bias, tiles=self.a8_tiles)
         return activations.int4_linear_a8(x, self.packed, self.scales, self.mins, self.group_size, bias)
 
     def _triton(self, x):
@@ -172,7 +186,7 @@ class Int4Linear(_QuantLinear):
         return WeightDescriptor("int4", self.in_features, self.out_features, self.packed,
                                 None if self.bias is None else self.bias.data, scales=self.scales,
                                 zero_points=self.mins, group_size=self.group_size,
-                                activations=self.activations)
+                                activations=self.activations, a8_tiles=self.a8_tiles)
 
 
 class Int8Scheme(QuantScheme):

@@ -93,20 +93,23 @@ def model_footprint(model: torch.nn.Module) -> WeightFootprint:
     Streamed: what ``LlamaForCausalLM.weight_bytes()`` counts (every layer's descriptor, norms).
     Resident: every parameter and buffer of a weight module counted once by storage (a tied head
     and its embedding are one table), which includes a dense embedding kept beside an untied
-    quantized head, and a float32 layer's bf16 halves (fp32_matmul_precision "high"). Rotary tables
-    are position caches, not weights: not counted."""
-    streamed, by_format, halves = 0, {}, []
+    quantized head, a float32 layer's bf16 halves (fp32_matmul_precision "high") and an int4
+    layer's tiles for int8 activations (a second copy each). Rotary tables are position caches,
+    not weights: not counted."""
+    streamed, by_format, copies = 0, {}, []
     for m in model.modules():
         if callable(getattr(m, "descriptor", None)):
             d = m.descriptor()
             by_format[_label(d)] = by_format.get(_label(d), 0) + d.nbytes
             streamed += d.nbytes
-            halves += d.bf16_halves or ()
+            copies += d.bf16_halves or ()
+            copies += () if d.a8_tiles is None else (d.a8_tiles,)
     norms = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, RMSNorm))
     rotary = {t.data_ptr() for m in model.modules() if isinstance(m, RotaryEmbedding) for t in m.buffers()}
     storages = {}
-    # plus the bf16 halves a float32 layer keeps at fp32_matmul_precision "high" (its descriptor's)
-    for t in list(model.parameters()) + list(model.buffers()) + halves:
+    # plus the bf16 halves a float32 layer keeps at fp32_matmul_precision "high" and the tiles an
+    # int4 layer with int8 activations keeps (its descriptor's)
+    for t in list(model.parameters()) + list(model.buffers()) + copies:
         if t.data_ptr() not in rotary and t.numel():
             storages[t.data_ptr()] = t.numel() * t.element_size()
     emb = model.embed_tokens.weight

@@ -1,0 +1,94 @@
+/* W4A8 with the int4 weights laid out once, at load, in the integer loops' tile order (included by
+ * quant_a8.h, in its AVX-512 VNNI section, after quant_a8_packed.h).
+ *
+ * Why: int4_a8_tile transposes a tile's 16 rows into vpdpbusd's lane order (transpose16: 16 loads
+ * and 8 unpacks per block of 32 columns) and its groups' scales and mins into vectors (columns16)
+ * on every pass of inputs, and quant_a8_packed.h packs each tile once per call. At decode sizes
+ * (1-16 input rows: one or two passes) that work is as large as the dot products it feeds. Here it
+ * is done once, when the engine has its weights (ms_a8_tile_int4; an Int4Linear with int8
+ * activations keeps the result as `a8_tiles`, minserve/quant/schemes.py), and every call, of any
+ * size, reads the tiles as they lie: four 64-byte loads per block, the nibbles split in registers.
+ * Scratch harness, SmolLM2's shapes, two threads, weights streamed from memory (40 copies
+ * cycled), 2026-12-07 on the Zen 4 EPYC: 576 -> 1536 at 12-16 inputs 1.20x, 1536 -> 576 1.25-1.38x,
+ * the 576 -> 49152 head 1.14-1.53x at 1-16 inputs; 1-8 inputs of the small layers 0.96-1.17x.
+ *
+ * Layout: tile after tile of 16 rows (the last tile's rows past `out` repeat its last row),
+ *   blocks x 4 vectors: transpose16 of the block's 16 bytes of each row (lane rr: row rr's dword j);
+ *   groups x 2 vectors: the 16 rows' scales, then their mins (int4_group_levels).
+ * The same bytes as the row-major codes, scales and mins (a copy beside them: the other paths
+ * still read those). The integer sums and the order of the float operations are int4_a8_tile's,
+ * so the outputs are bit for bit the same (tests/test_quant_a8.py).
+ */
+#ifndef MINSERVE_QUANT_A8_TILES_H
+#define MINSERVE_QUANT_A8_TILES_H
+
+/* 64-byte vectors of one tile: 4 per block of 32 columns, 2 per group. */
+static inline int64_t a8_tile_vectors(int64_t in, int64_t group) {
+    return 4 * (in / A8_BLOCK) + 2 * (in / group);
+}
+
+/* Every tile of w into tiles ((out + 15) / 16 * a8_tile_vectors vectors, 64-byte aligned). */
+static void a8_tile_int4(const QWeight *w, __m512i *tiles, int nthreads) {
+    const int64_t n = (w->out + ROW_TILE - 1) / ROW_TILE, per = a8_tile_vectors(w->in, w->group);
+    const int64_t blocks = w->in / A8_BLOCK;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t t = 0; t < n; t++) {
+        const uint8_t *rows[ROW_TILE];
+        int64_t row_ids[ROW_TILE];
+        __m512i *dst = tiles + t * per;
+        tile_rows(w->codes, w->in / 2, t * ROW_TILE, t * ROW_TILE + ROW_TILE < w->out ? t * ROW_TILE + ROW_TILE : w->out,
+                  rows, row_ids);
+        for (int64_t k = 0; k < blocks; k++) {
+            __m512i T[4];
+            transpose16(rows, k * (A8_BLOCK / 2), T);
+            for (int j = 0; j < 4; j++) _mm512_store_si512(dst + 4 * k + j, T[j]);
+        }
+        int4_group_levels(w, row_ids, (__m512 *)(dst + 4 * blocks));
+    }
+}
+
+/* One pass of nb inputs (a constant at each call site) over a tile: out[b] = its 16 rows for input
+ * b, before the bias. codes, d, xsum: the pass's interleaved inputs (a8_interleave). */
+static inline __attribute__((always_inline)) void
+a8_tiled_pass(const int nb, const __m512i *tile, int64_t blocks, int64_t per_group, const int32_t *codes,
+              const float *d, const float *xsum, __m512 out[A8_PACKED_PASS]) {
+    enum { P = A8_PACKED_PASS };
+    const __m512 *sm = (const __m512 *)(tile + 4 * blocks);
+    const __m512i nibble = _mm512_set1_epi8(15);
+    for (int b = 0; b < nb; b++) out[b] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < blocks; k++) {
+        __m512i dot[P];
+        for (int b = 0; b < nb; b++) dot[b] = _mm512_setzero_si512();
+        const int32_t *a = codes + k * 8 * P;
+        _Pragma("GCC unroll 4")   /* unrolled, the pass's sums stay in registers */
+        for (int j = 0; j < 4; j++) {   /* dword j: low nibbles meet group j, high ones group 4 + j */
+            const __m512i T = _mm512_load_si512(tile + 4 * k + j);
+            const __m512i lo = _mm512_and_si512(T, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(T, 4), nibble);
+            for (int b = 0; b < nb; b++) dot[b] = _mm512_dpbusd_epi32(dot[b], lo, _mm512_set1_epi32(a[j * P + b]));
+            for (int b = 0; b < nb; b++) dot[b] = _mm512_dpbusd_epi32(dot[b], hi, _mm512_set1_epi32(a[(4 + j) * P + b]));
+        }
+        int4_scale_block(nb, dot, sm[2 * (k / per_group)], sm[2 * (k / per_group) + 1], d + k * P, xsum + k * P, out);
+    }
+}
+
+/* Tile t of y's rows for all B inputs, passes of up to A8_PACKED_PASS; a short last pass takes the
+ * next size up of 1, 2, 4, 8 (batch 1 computes one row, not four). */
+static void a8_tiled_rows(const QWeight *w, int64_t t, A8Passes p, float *y, int64_t B, int accumulate) {
+    const int64_t blocks = w->in / A8_BLOCK, per_group = w->group / A8_BLOCK, P = A8_PACKED_PASS;
+    const int64_t r0 = t * ROW_TILE, r1 = r0 + ROW_TILE < w->out ? r0 + ROW_TILE : w->out;
+    const __m512i *tile = (const __m512i *)w->tiles + t * a8_tile_vectors(w->in, w->group);
+    for (int64_t pass = 0; pass < p.passes; pass++) {
+        __m512 out[A8_PACKED_PASS];
+        const int32_t *codes = p.codes + pass * blocks * 8 * P;
+        const float *d = p.d + pass * blocks * P, *xsum = p.xsum + pass * blocks * P;
+        int64_t left = B - pass * P;
+        if (left > 8) a8_tiled_pass(A8_PACKED_PASS, tile, blocks, per_group, codes, d, xsum, out);
+        else if (left > 4) a8_tiled_pass(8, tile, blocks, per_group, codes, d, xsum, out);
+        else if (left > 2) a8_tiled_pass(4, tile, blocks, per_group, codes, d, xsum, out);
+        else if (left > 1) a8_tiled_pass(2, tile, blocks, per_group, codes, d, xsum, out);
+        else a8_tiled_pass(1, tile, blocks, per_group, codes, d, xsum, out);
+        store_tile(out, w->bias, r0, r1, y + pass * P * w->out, w->out, left < P ? (int)left : (int)P, accumulate);
+    }
+}
+
+#endif /* MINSERVE_QUANT_A8_TILES_H */
