@@ -249,7 +249,7 @@ def _int8_rates(x, w) -> dict:
                                  if a8_isa() else None)
     out["minserve C int4 a8"] = (ops / _median_time(lambda: linear_a8(x, 4, *int4, 32)) / 1e9
                                  if a8_isa() else None)
-    tiles = a8_tiles(*int4, 32) if a8_isa() else None   # laid out once, as an engine does (quant_a8_tiles.h)
+    tiles = a8_tiles(4, *int4, 32) if a8_isa() else None   # laid out once, as an engine does (quant_a8_tiles.h)
     out["minserve C int4 a8, tiles"] = (ops / _median_time(lambda: linear_a8(x, 4, *int4, 32, tiles=tiles)) / 1e9
                                         if tiles is not None else None)
     xq = torch.randint(-127, 128, x.shape, dtype=torch.int8)

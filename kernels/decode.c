@@ -85,7 +85,7 @@ typedef struct {             /* one weight matrix [out, in], as its descriptor d
     int64_t act_int8;        /* int8 / int4 with in % 32 == 0: quantize the input rows (quant_a8.h) */
     const uint16_t *split_hi, *split_lo;   /* f32 at fp32_matmul_precision "high": the weight as two
                                               bf16 halves [out, in] for the tiles (amx_matmul); else NULL */
-    const void *a8_tiles;    /* int4 with act_int8: the weight in quant_a8_tiles.h's order, or NULL */
+    const void *a8_tiles;    /* with act_int8: the weight in quant_a8_tiles.h's order, or NULL */
 } Weight;
 
 typedef struct {

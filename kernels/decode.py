@@ -207,20 +207,20 @@ def _weight(name: str, module, out: int, inp: int, bias_ok: bool = False):
         raise KernelUnavailable(f"{name}: {d.describe()}: int8 activations need a quantized matrix "
                                 f"whose in_features divide into blocks of {A8_BLOCK}")
     halves = _split_halves(name, d, out, inp) if fmt == WEIGHT_F32 else [None, None]
-    tiles = _a8_tiles(name, d, out, inp) if fmt == WEIGHT_INT4 and act_int8 else None
+    tiles = _a8_tiles(name, d, fmt, out, inp) if act_int8 else None
     w = _Weight(fmt, _void(data, kind), _ptr(scales), _ptr(mins), _ptr(bias), group, act_int8,
                 *[_ptr(h, _bf16p) for h in halves], None if tiles is None else tiles.data_ptr())
     return w, [t for t in (data, scales, mins, bias, *halves, tiles) if t is not None]
 
 
-def _a8_tiles(name: str, d, out: int, inp: int) -> torch.Tensor | None:
-    """An int4 descriptor's tiles for int8 activations (quant_a8_tiles.h's order), checked against
-    the size quant.c computes for its shape; None when it has none."""
+def _a8_tiles(name: str, d, fmt: int, out: int, inp: int) -> torch.Tensor | None:
+    """A quantized descriptor's tiles for int8 activations (quant_a8_tiles.h's order), checked
+    against the size quant.c computes for its shape; None when it has none."""
     if d.a8_tiles is None:
         return None
-    from minserve.kernels.quant import _check_tiles
+    from minserve.kernels.quant import check_tiles
     try:
-        _check_tiles(d.a8_tiles, inp, out, d.group_size)
+        check_tiles(d.a8_tiles, 4 if fmt == WEIGHT_INT4 else 8, inp, out, d.group_size or 0)
     except ValueError as e:
         raise KernelUnavailable(f"{name}.a8_tiles: {e}") from None
     return d.a8_tiles

@@ -94,39 +94,41 @@ void ms_quantize_a8(const float *x, int64_t B, int64_t in, int64_t int4_order, i
 
 /* y = x @ W^T (+ bias) with x quantized in blocks of 32 (in % 32 == 0, else -1). scratch: B * in + B
  * floats. bits: 8 (codes int8 [out, in], scales [out]) or 4 (packed, scales, mins as ms_int4_linear).
- * tiles: NULL, or for int4 the same weight as ms_a8_tile_int4 laid it out (read instead). */
+ * tiles: NULL, or the same weight as ms_a8_tile laid it out (read instead of the codes). */
 int64_t ms_linear_a8(int64_t bits, const void *codes, const float *scales, const float *mins,
                      int64_t group, const float *bias, const float *x, float *scratch, float *y,
                      int64_t B, int64_t in, int64_t out, int64_t accumulate, int64_t nthreads,
                      const void *tiles) {
     if (in % A8_BLOCK || (bits == 4 && (group % A8_BLOCK || in % group)) || (bits != 4 && bits != 8))
         return -1;
-    QWeight w = {(int)bits, codes, scales, mins, bias, group, in, out, bits == 4 ? tiles : NULL};
+    QWeight w = {(int)bits, codes, scales, mins, bias, group, in, out, tiles};
     return qmatmul_a8(&w, x, a8_scratch(scratch, B, in), y, B, (int)accumulate, team_size(nthreads));
 }
 
-/* Bytes of an int4 weight [out, in] with group size `group` in the tile order of quant_a8_tiles.h;
- * 0 where this build has no such loops (no AVX-512 VNNI: the row-major loops serve). */
-int64_t ms_a8_tiles_bytes(int64_t in, int64_t out, int64_t group) {
+/* Bytes of a weight [out, in] (bits 8, or 4 with group size `group`) in the tile order of
+ * quant_a8_tiles.h; 0 where this build has no such loops (no AVX-512 VNNI: the row-major loops
+ * serve) or the shape does not divide into blocks. */
+int64_t ms_a8_tiles_bytes(int64_t bits, int64_t in, int64_t out, int64_t group) {
 #ifdef MINSERVE_QUANT_A8_TILES_H
-    if (in % A8_BLOCK || group % A8_BLOCK || in % group) return 0;
-    return (out + ROW_TILE - 1) / ROW_TILE * a8_tile_vectors(in, group) * 64;
+    if (in % A8_BLOCK || (bits == 4 && (group % A8_BLOCK || in % group)) || (bits != 4 && bits != 8) || out < 1)
+        return 0;
+    return (out + ROW_TILE - 1) / ROW_TILE * a8_tile_vectors((int)bits, in, group) * 64;
 #else
-    (void)in, (void)out, (void)group;
+    (void)bits, (void)in, (void)out, (void)group;
     return 0;
 #endif
 }
 
-/* The int4 weight (packed, scales, mins as ms_int4_linear) into tiles (ms_a8_tiles_bytes of them,
- * 64-byte aligned); -1 where that is 0 or tiles is misaligned. */
-int64_t ms_a8_tile_int4(const uint8_t *packed, const float *scales, const float *mins, int64_t group,
-                        int64_t in, int64_t out, void *tiles, int64_t nthreads) {
-    if (!ms_a8_tiles_bytes(in, out, group) || (uintptr_t)tiles % 64) return -1;
+/* The weight (as ms_linear_a8 takes it) into tiles (ms_a8_tiles_bytes of them, 64-byte aligned);
+ * -1 where that is 0 or tiles is misaligned. */
+int64_t ms_a8_tile(int64_t bits, const void *codes, const float *scales, const float *mins, int64_t group,
+                   int64_t in, int64_t out, void *tiles, int64_t nthreads) {
+    if (!ms_a8_tiles_bytes(bits, in, out, group) || (uintptr_t)tiles % 64) return -1;
 #ifdef MINSERVE_QUANT_A8_TILES_H
-    QWeight w = {4, packed, scales, mins, NULL, group, in, out, NULL};
-    a8_tile_int4(&w, tiles, team_size(nthreads));
+    QWeight w = {(int)bits, codes, scales, mins, NULL, group, in, out, NULL};
+    a8_tile_weight(&w, tiles, team_size(nthreads));
 #else
-    (void)packed, (void)scales, (void)mins, (void)nthreads;
+    (void)codes, (void)scales, (void)mins, (void)nthreads;
 #endif
     return 0;
 }

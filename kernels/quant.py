@@ -83,8 +83,8 @@ _SIGNATURES = {   # name: (restype, argtypes), as declared in quant.c
     "ms_a8_isa": (ctypes.c_char_p, []),
     "ms_quantize_a8": (None, [_P, _I, _I, _I, _P, _P, _P, _P]),
     "ms_linear_a8": (_I, [_I, _P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P]),
-    "ms_a8_tiles_bytes": (_I, [_I, _I, _I]),
-    "ms_a8_tile_int4": (_I, [_P, _P, _P, _I, _I, _I, _P, _I]),
+    "ms_a8_tiles_bytes": (_I, [_I, _I, _I, _I]),
+    "ms_a8_tile": (_I, [_I, _P, _P, _P, _I, _I, _I, _P, _I]),
 }
 
 
@@ -252,31 +252,48 @@ def _tiled_linear(x: torch.Tensor, dequantize, bias: torch.Tensor | None, out: i
             y[:, r0:r1] += bias[r0:r1]
     return y
 
-def a8_tiles(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
-             num_threads: int = 0) -> torch.Tensor | None:
-    """An int4 weight (as :func:`int4_linear` takes it) laid out once in the tile order of the
+def a8_tiles(bits: int, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+             group_size: int, num_threads: int = 0) -> torch.Tensor | None:
+    """A quantized weight (as :func:`linear_a8` takes it) laid out once in the tile order of the
     int8-activation loops (kernels/quant_a8_tiles.h), for :func:`linear_a8`'s ``tiles``: the same
     bytes again, which every call then reads as they lie instead of transposing them. None where
     those loops are not built (no AVX-512 VNNI, no C compiler) or the shape does not divide."""
     lib = _lib()
-    out, in_features = packed.shape[0], 2 * packed.shape[1]
-    if lib is None or packed.device.type != "cpu":
+    if lib is None or codes.device.type != "cpu":
         return None
-    nbytes = lib.ms_a8_tiles_bytes(in_features, out, group_size)
+    out, in_features = _a8_shape(bits, codes, scales, mins, group_size)
+    nbytes = lib.ms_a8_tiles_bytes(bits, in_features, out, group_size)
     if nbytes <= 0:
         return None
-    _check_tensor(packed, "packed int4 codes", torch.uint8, (out, in_features // 2))
-    for t, name in ((scales, "int4 scales"), (mins, "int4 mins")):
-        _check_tensor(t, name, torch.float32, (out, in_features // group_size))
     tiles = torch.empty(nbytes, dtype=torch.uint8)   # CPU tensors start 64-byte aligned
-    if lib.ms_a8_tile_int4(packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), group_size, in_features,
-                           out, tiles.data_ptr(), num_threads) != 0:
+    if lib.ms_a8_tile(bits, codes.data_ptr(), scales.data_ptr(), _ptr(mins), group_size, in_features, out,
+                      tiles.data_ptr(), num_threads) != 0:
         return None
     return tiles
 
 
-def _check_tiles(tiles: torch.Tensor, in_features: int, out: int, group_size: int) -> None:
-    want = _lib().ms_a8_tiles_bytes(in_features, out, group_size)
+def _a8_shape(bits: int, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+              group_size: int) -> tuple[int, int]:
+    """(out, in_features) of an int8 or int4 weight, its tensors checked against them."""
+    if bits == 8:
+        out, in_features = codes.shape
+        _check_tensor(codes, "int8 codes", torch.int8, (out, in_features))
+        _check_tensor(scales, "int8 scales", torch.float32, (out,))
+    elif bits == 4:
+        out, in_features = codes.shape[0], 2 * codes.shape[1]
+        from minserve.quant.formats import check_group_size
+        check_group_size(group_size, in_features, out)
+        _check_tensor(codes, "packed int4 codes", torch.uint8, (out, in_features // 2))
+        for t, name in ((scales, "int4 scales"), (mins, "int4 mins")):
+            _check_tensor(t, name, torch.float32, (out, in_features // group_size))
+    else:
+        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    return out, in_features
+
+
+def check_tiles(tiles: torch.Tensor, bits: int, in_features: int, out: int, group_size: int) -> None:
+    """ValueError unless ``tiles`` is what :func:`a8_tiles` makes for a weight of this shape."""
+    want = _lib().ms_a8_tiles_bytes(bits, in_features, out, group_size)
     if (tiles.dtype is not torch.uint8 or tiles.dim() != 1 or tiles.numel() != want or not tiles.is_contiguous()
             or tiles.data_ptr() % 64):
         raise ValueError(f"tiles must be a8_tiles()'s uint8 tensor of {want} bytes (64-byte aligned) for this "
@@ -291,28 +308,16 @@ def linear_a8(x: torch.Tensor, bits: int, codes: torch.Tensor, scales: torch.Ten
 
     Weights as :func:`int8_linear` / :func:`int4_linear` take them (``mins`` and ``group_size``
     for int4 only); ``in_features`` must be a multiple of 32. One path for every row count: the
-    integer loops are what make this format fast, at prefill too. ``tiles``: for int4, the same
-    weight as :func:`a8_tiles` laid it out (the same bits, faster). Without the C kernels, the
+    integer loops are what make this format fast, at prefill too. ``tiles``: the same weight as
+    :func:`a8_tiles` laid it out (the same bits, faster). Without the C kernels, the
     torch reference answers (slow, same arithmetic).
     """
     from minserve.quant import activations as ref
-    if bits == 8:
-        out, in_features = codes.shape
-        _check_tensor(codes, "int8 codes", torch.int8, (out, in_features))
-        _check_tensor(scales, "int8 scales", torch.float32, (out,))
-    elif bits == 4:
-        out, in_features = codes.shape[0], 2 * codes.shape[1]
-        from minserve.quant.formats import check_group_size
-        check_group_size(group_size, in_features, out)
-        _check_tensor(codes, "packed int4 codes", torch.uint8, (out, in_features // 2))
-        for t, name in ((scales, "int4 scales"), (mins, "int4 mins")):
-            _check_tensor(t, name, torch.float32, (out, in_features // group_size))
-    else:
-        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    out, in_features = _a8_shape(bits, codes, scales, mins, group_size)
     if in_features % ref.BLOCK:
         raise ValueError(f"int8 activations need in_features divisible by {ref.BLOCK}, got {in_features}")
-    if tiles is not None and bits == 4 and _lib() is not None:
-        _check_tiles(tiles, in_features, out, group_size)
+    if tiles is not None and _lib() is not None:
+        check_tiles(tiles, bits, in_features, out, group_size)
     x2 = _check_input(x, bias, out, in_features, num_threads, "auto")
     lib, rows = _lib(), x2.shape[0]
     if lib is None:
@@ -324,5 +329,5 @@ def linear_a8(x: torch.Tensor, bits: int, codes: torch.Tensor, scales: torch.Ten
         scratch = torch.empty(rows * in_features + rows)
         lib.ms_linear_a8(bits, codes.data_ptr(), scales.data_ptr(), _ptr(mins), group_size if bits == 4 else 0,
                          _ptr(bias), x2.data_ptr(), scratch.data_ptr(), y.data_ptr(), rows, in_features,
-                         out, 0, num_threads, _ptr(tiles if bits == 4 else None))
+                         out, 0, num_threads, _ptr(tiles))
     return y.reshape(*x.shape[:-1], out)

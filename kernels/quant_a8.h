@@ -302,7 +302,7 @@ int8_a8_tile(const QWeight *w, int64_t r0, int64_t r1, Activations8 act, float *
 
 #define A8_PACKED   /* prefill sizes: each tile packed once per call, the inputs interleaved */
 #include "quant_a8_packed.h"
-#include "quant_a8_tiles.h"   /* int4 tiles laid out at load: every size reads them as they lie */
+#include "quant_a8_tiles.h"   /* tiles laid out at load: every size reads them as they lie */
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #define A8_ISA "avx2"
@@ -490,7 +490,7 @@ static int64_t qmatmul_a8(const QWeight *w, const float *x, Activations8 act, fl
     quantize_a8(x, B, w->in, w->bits == 4, act, nthreads);
     int64_t tiles = (w->out + ROW_TILE - 1) / ROW_TILE, team = 1;
 #ifdef A8_PACKED   /* the inputs interleaved for the packed tiles (quant_a8_packed.h, quant_a8_tiles.h) */
-    const int tiled = w->bits == 4 && w->tiles != NULL;
+    const int tiled = w->tiles != NULL;
     void *passes_buf = B >= A8_PACKED_MIN_ROWS || tiled
                        ? aligned_alloc(64, (a8_passes_bytes(B, w->in) + 63) / 64 * 64) : NULL;
     A8Passes passes = {0};
@@ -508,7 +508,7 @@ static int64_t qmatmul_a8(const QWeight *w, const float *x, Activations8 act, fl
             int64_t r0 = t * ROW_TILE, r1 = r0 + ROW_TILE < w->out ? r0 + ROW_TILE : w->out;
 #ifdef A8_PACKED
             if (tiled && passes_buf) {
-                a8_tiled_rows(w, t, passes, y, B, accumulate);
+                a8_tiled_rows(w, t, act, passes, y, B, accumulate);
                 continue;
             }
             if (packed) {

@@ -1,43 +1,49 @@
-/* W4A8 with the int4 weights laid out once, at load, in the integer loops' tile order (included by
- * quant_a8.h, in its AVX-512 VNNI section, after quant_a8_packed.h).
+/* W4A8 and W8A8 with the weights laid out once, at load, in the integer loops' tile order (included
+ * by quant_a8.h, in its AVX-512 VNNI section, after quant_a8_packed.h).
  *
- * Why: int4_a8_tile transposes a tile's 16 rows into vpdpbusd's lane order (transpose16: 16 loads
- * and 8 unpacks per block of 32 columns) and its groups' scales and mins into vectors (columns16)
- * on every pass of inputs, and quant_a8_packed.h packs each tile once per call. At decode sizes
- * (1-16 input rows: one or two passes) that work is as large as the dot products it feeds. Here it
- * is done once, when the engine has its weights (ms_a8_tile_int4; an Int4Linear with int8
- * activations keeps the result as `a8_tiles`, minserve/quant/schemes.py), and every call, of any
- * size, reads the tiles as they lie: four 64-byte loads per block, the nibbles split in registers.
- * Scratch harness, SmolLM2's shapes, two threads, weights streamed from memory (40 copies
- * cycled), 2026-12-07 on the Zen 4 EPYC: 576 -> 1536 at 12-16 inputs 1.20x, 1536 -> 576 1.25-1.38x,
- * the 576 -> 49152 head 1.14-1.53x at 1-16 inputs; 1-8 inputs of the small layers 0.96-1.17x.
+ * Why: int4_a8_tile and int8_a8_tile transpose a tile's 16 rows into vpdpbusd's lane order
+ * (transpose16: 16 loads and 8 unpacks per 16 bytes of each row; int4 also its groups' scales and
+ * mins into vectors, columns16) on every pass of inputs, and quant_a8_packed.h packs each tile once
+ * per call. At decode sizes (1-16 input rows: one or two passes) that work is as large as the dot
+ * products it feeds. Here it is done once, when the engine has its weights (ms_a8_tile; a layer
+ * with int8 activations keeps the result as `a8_tiles`, minserve/quant/schemes.py), and every
+ * call, of any size, reads the tiles as they lie. Scratch harness, SmolLM2's shapes, int4, two
+ * threads, weights streamed from memory (40 copies cycled), 2026-12-07 on the Zen 4 EPYC: 576 ->
+ * 1536 at 12-16 inputs 1.20x, 1536 -> 576 1.25-1.38x, the 576 -> 49152 head 1.14-1.53x at 1-16
+ * inputs; 1-8 inputs of the small layers 0.96-1.17x.
  *
- * Layout: tile after tile of 16 rows (the last tile's rows past `out` repeat its last row),
- *   blocks x 4 vectors: transpose16 of the block's 16 bytes of each row (lane rr: row rr's dword j);
- *   groups x 2 vectors: the 16 rows' scales, then their mins (int4_group_levels).
- * The same bytes as the row-major codes, scales and mins (a copy beside them: the other paths
- * still read those). The integer sums and the order of the float operations are int4_a8_tile's,
+ * Layout: tile after tile of 16 rows (the last tile's rows past `out` repeat its last row);
+ *   int4: blocks x 4 vectors, transpose16 of the block's 16 bytes of each row (lane rr: row rr's
+ *         dword j), the nibbles split in registers as they are read; then groups x 2 vectors, the
+ *         16 rows' scales and their mins (int4_group_levels);
+ *   int8: blocks x 8 vectors, int8_a8_pack's (each code + 128); the row scales stay in w->scales.
+ * The same bytes as the row-major weight (a copy beside it: the other paths still read that). The
+ * integer sums and the order of the float operations are those of int4_a8_tile and int8_a8_tile,
  * so the outputs are bit for bit the same (tests/test_quant_a8.py).
  */
 #ifndef MINSERVE_QUANT_A8_TILES_H
 #define MINSERVE_QUANT_A8_TILES_H
 
-/* 64-byte vectors of one tile: 4 per block of 32 columns, 2 per group. */
-static inline int64_t a8_tile_vectors(int64_t in, int64_t group) {
-    return 4 * (in / A8_BLOCK) + 2 * (in / group);
+/* 64-byte vectors of one tile. */
+static inline int64_t a8_tile_vectors(int bits, int64_t in, int64_t group) {
+    return bits == 4 ? 4 * (in / A8_BLOCK) + 2 * (in / group) : 8 * (in / A8_BLOCK);
 }
 
 /* Every tile of w into tiles ((out + 15) / 16 * a8_tile_vectors vectors, 64-byte aligned). */
-static void a8_tile_int4(const QWeight *w, __m512i *tiles, int nthreads) {
-    const int64_t n = (w->out + ROW_TILE - 1) / ROW_TILE, per = a8_tile_vectors(w->in, w->group);
+static void a8_tile_weight(const QWeight *w, __m512i *tiles, int nthreads) {
+    const int64_t n = (w->out + ROW_TILE - 1) / ROW_TILE, per = a8_tile_vectors(w->bits, w->in, w->group);
     const int64_t blocks = w->in / A8_BLOCK;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t t = 0; t < n; t++) {
         const uint8_t *rows[ROW_TILE];
         int64_t row_ids[ROW_TILE];
         __m512i *dst = tiles + t * per;
-        tile_rows(w->codes, w->in / 2, t * ROW_TILE, t * ROW_TILE + ROW_TILE < w->out ? t * ROW_TILE + ROW_TILE : w->out,
-                  rows, row_ids);
+        int64_t r1 = t * ROW_TILE + ROW_TILE < w->out ? t * ROW_TILE + ROW_TILE : w->out;
+        tile_rows(w->codes, w->bits == 4 ? w->in / 2 : w->in, t * ROW_TILE, r1, rows, row_ids);
+        if (w->bits == 8) {
+            int8_a8_pack(w, rows, dst);
+            continue;
+        }
         for (int64_t k = 0; k < blocks; k++) {
             __m512i T[4];
             transpose16(rows, k * (A8_BLOCK / 2), T);
@@ -71,23 +77,43 @@ a8_tiled_pass(const int nb, const __m512i *tile, int64_t blocks, int64_t per_gro
     }
 }
 
-/* Tile t of y's rows for all B inputs, passes of up to A8_PACKED_PASS; a short last pass takes the
- * next size up of 1, 2, 4, 8 (batch 1 computes one row, not four). */
-static void a8_tiled_rows(const QWeight *w, int64_t t, A8Passes p, float *y, int64_t B, int accumulate) {
-    const int64_t blocks = w->in / A8_BLOCK, per_group = w->group / A8_BLOCK, P = A8_PACKED_PASS;
+/* One pass of `left` inputs over a tile in the pass size just above it (12, 8, 4, 2 or 1: batch 1
+ * computes one row, not four); each size and format compiles into registers of its own. */
+#define A8_TILED_PASS(n) (bits == 4 ? a8_tiled_pass(n, tile, blocks, per_group, codes, d, xsum, out) \
+                                    : a8_packed_pass(8, n, tile, blocks, 1, codes, d, xsum, out))
+static inline __attribute__((always_inline)) void
+a8_tiled_pass_of(const int bits, int64_t left, const __m512i *tile, int64_t blocks, int64_t per_group,
+                 const int32_t *codes, const float *d, const float *xsum, __m512 out[A8_PACKED_PASS]) {
+    if (left > 8) A8_TILED_PASS(A8_PACKED_PASS);
+    else if (left > 4) A8_TILED_PASS(8);
+    else if (left > 2) A8_TILED_PASS(4);
+    else if (left > 1) A8_TILED_PASS(2);
+    else A8_TILED_PASS(1);
+}
+#undef A8_TILED_PASS
+
+/* Tile t of y's rows for all B inputs, passes of up to A8_PACKED_PASS. act: the inputs as
+ * quantize_a8 left them (int8's shifts); p: interleaved. */
+static void a8_tiled_rows(const QWeight *w, int64_t t, Activations8 act, A8Passes p, float *y, int64_t B,
+                          int accumulate) {
+    const int64_t blocks = w->in / A8_BLOCK, per_group = w->bits == 4 ? w->group / A8_BLOCK : 1, P = A8_PACKED_PASS;
     const int64_t r0 = t * ROW_TILE, r1 = r0 + ROW_TILE < w->out ? r0 + ROW_TILE : w->out;
-    const __m512i *tile = (const __m512i *)w->tiles + t * a8_tile_vectors(w->in, w->group);
+    const __m512i *tile = (const __m512i *)w->tiles + t * a8_tile_vectors(w->bits, w->in, w->group);
+    __mmask16 mask = r1 - r0 >= 16 ? 0xFFFF : (__mmask16)((1u << (r1 - r0)) - 1);
+    const __m512 scale = w->bits == 8 ? _mm512_maskz_loadu_ps(mask, w->scales + r0) : _mm512_setzero_ps();
     for (int64_t pass = 0; pass < p.passes; pass++) {
         __m512 out[A8_PACKED_PASS];
         const int32_t *codes = p.codes + pass * blocks * 8 * P;
         const float *d = p.d + pass * blocks * P, *xsum = p.xsum + pass * blocks * P;
-        int64_t left = B - pass * P;
-        if (left > 8) a8_tiled_pass(A8_PACKED_PASS, tile, blocks, per_group, codes, d, xsum, out);
-        else if (left > 4) a8_tiled_pass(8, tile, blocks, per_group, codes, d, xsum, out);
-        else if (left > 2) a8_tiled_pass(4, tile, blocks, per_group, codes, d, xsum, out);
-        else if (left > 1) a8_tiled_pass(2, tile, blocks, per_group, codes, d, xsum, out);
-        else a8_tiled_pass(1, tile, blocks, per_group, codes, d, xsum, out);
-        store_tile(out, w->bias, r0, r1, y + pass * P * w->out, w->out, left < P ? (int)left : (int)P, accumulate);
+        int nb = B - pass * P < P ? (int)(B - pass * P) : (int)P;
+        if (w->bits == 4) {
+            a8_tiled_pass_of(4, nb, tile, blocks, per_group, codes, d, xsum, out);
+        } else {
+            a8_tiled_pass_of(8, nb, tile, blocks, 1, codes, d, xsum, out);
+            for (int b = 0; b < nb; b++)
+                out[b] = _mm512_mul_ps(_mm512_sub_ps(out[b], _mm512_set1_ps(act.shift[pass * P + b])), scale);
+        }
+        store_tile(out, w->bias, r0, r1, y + pass * P * w->out, w->out, nb, accumulate);
     }
 }
 

@@ -292,8 +292,8 @@ typedef struct {             /* one quantized weight, either format */
     const void *codes;
     const float *scales, *mins, *bias;
     int64_t group, in, out;
-    const void *tiles;       /* int4 with int8 activations: the codes, scales and mins also in the
-                                integer loops' tile order (quant_a8_tiles.h), or NULL */
+    const void *tiles;       /* with int8 activations: the weight also in the integer loops'
+                                tile order (quant_a8_tiles.h), or NULL */
 } QWeight;
 
 /* Rows [r0, r1) times nb (a constant after inlining) inputs starting at x / y. */

@@ -140,43 +140,51 @@ needs_vnni = pytest.mark.skipif(qk._lib() is None or qk.a8_isa() != "avx512-vnni
                                 reason="the load-time tiles (quant_a8_tiles.h) exist only with AVX-512 VNNI")
 
 
+def _weights(bits, w, g):
+    """(bits, codes, scales, mins, group size) as linear_a8 and a8_tiles take them."""
+    return (4, *quantize_int4(w, g), g) if bits == 4 else (8, *quantize_int8(w), None, 0)
+
+
 @needs_vnni
-@pytest.mark.parametrize("out,inn,g", [(300, 576, 32), (17, 128, 64), (40, 256, 128), (16, 64, 32)])
-def test_tiles_give_the_bits_of_the_row_major_loops(out, inn, g):
+@pytest.mark.parametrize("bits,out,inn,g", [(4, 300, 576, 32), (4, 17, 128, 64), (4, 40, 256, 128), (4, 16, 64, 32),
+                                            (8, 300, 576, 0), (8, 17, 128, 0)])
+def test_tiles_give_the_bits_of_the_row_major_loops(bits, out, inn, g):
     """The weight laid out at load (a8_tiles) gives what the per-pass transposes (fewer than 32
     inputs) and the per-call packed tile (32 or more) give, bit for bit, at every pass size the
     tiles run (1, 2, 4, 8, 12 inputs and their remainders), with and without a bias, on one thread
     or the team; a last tile of fewer than 16 rows included (out = 300, 17, 40)."""
     w, _, bias = _case(out, inn, 1, seed=out + g)
-    packed, scales, mins = quantize_int4(w, g)
-    tiles = qk.a8_tiles(packed, scales, mins, g)
-    assert tiles is not None and tiles.numel() == (out + 15) // 16 * (4 * inn // 32 + 2 * inn // g) * 64
+    weights = _weights(bits, w, g)
+    tiles = qk.a8_tiles(*weights)
+    per_tile = 4 * inn // 32 + 2 * inn // g if bits == 4 else 8 * inn // 32
+    assert tiles is not None and tiles.numel() == (out + 15) // 16 * per_tile * 64
     gen = torch.Generator().manual_seed(inn)
     for rows in (1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 16, 25, 31, 32, 45):
         x = torch.randn(rows, inn, generator=gen) * 3
         for b in (None, bias):
-            want = qk.linear_a8(x, 4, packed, scales, mins, g, b)
-            assert torch.equal(qk.linear_a8(x, 4, packed, scales, mins, g, b, tiles=tiles), want), rows
-            assert torch.equal(qk.linear_a8(x, 4, packed, scales, mins, g, b, tiles=tiles, num_threads=1), want)
+            want = qk.linear_a8(x, *weights, b)
+            assert torch.equal(qk.linear_a8(x, *weights, b, tiles=tiles), want), rows
+            assert torch.equal(qk.linear_a8(x, *weights, b, tiles=tiles, num_threads=1), want)
 
 
 @needs_vnni
-def test_tiles_accumulate_and_refuse_another_weights_size():
+@pytest.mark.parametrize("bits", [4, 8])
+def test_tiles_accumulate_and_refuse_another_weights_size(bits):
     w, x, bias = _case(40, 64, 20, seed=5)
-    weights = quantize_int4(w, 32)
-    tiles = qk.a8_tiles(*weights, 32)
+    weights = _weights(bits, w, 32)
+    tiles = qk.a8_tiles(*weights)
     base = torch.randn(20, 40, generator=torch.Generator().manual_seed(6))
     outs = []
     for t in (None, tiles):
         y, scratch = base.clone(), torch.empty(20 * 64 + 20)
-        qk._lib().ms_linear_a8(4, *(v.data_ptr() for v in weights), 32, bias.data_ptr(), x.data_ptr(),
-                               scratch.data_ptr(), y.data_ptr(), 20, 64, 40, 1, 0,
+        qk._lib().ms_linear_a8(bits, *(None if v is None else v.data_ptr() for v in weights[1:4]), weights[4],
+                               bias.data_ptr(), x.data_ptr(), scratch.data_ptr(), y.data_ptr(), 20, 64, 40, 1, 0,
                                None if t is None else t.data_ptr())
         outs.append(y)
     assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], base)
-    other = qk.a8_tiles(*quantize_int4(w[:24], 32), 32)   # 2 tiles, not 3
+    other = qk.a8_tiles(*_weights(bits, w[:24], 32))   # 2 tiles, not 3
     with pytest.raises(ValueError, match=f"tiles must be .* {tiles.numel()} bytes"):
-        qk.linear_a8(x, 4, *weights, 32, tiles=other)
+        qk.linear_a8(x, *weights, tiles=other)
 
 
 def test_refuses_widths_that_do_not_divide_into_blocks():
@@ -204,7 +212,7 @@ def test_builds_without_vnni_compute_the_same(tmp_path, monkeypatch, march, isa)
     lib = qk.with_signatures(ctypes.CDLL(str(so)))
     assert lib.ms_a8_isa().decode() == isa
     monkeypatch.setattr(qk, "_lib", lambda: lib)
-    assert qk.a8_tiles(*quantize_int4(torch.ones(16, 64), 32), 32) is None   # VNNI's layout only
+    assert qk.a8_tiles(4, *quantize_int4(torch.ones(16, 64), 32), 32) is None   # VNNI's layout only
     for out, batch in ((33, 5), (29, 300)):
         w, x, bias = _case(out, 256, batch, seed=11 + batch)
         for y, ref in _both(x, w, 64, bias):
@@ -318,7 +326,7 @@ def test_fused_step_dispatches_int8_activations_to_the_same_loops(fmt):
     from minserve.kernels.build import load
     from minserve.kernels.decode import _weight
     layer = make_scheme(fmt, {"activations": "int8"}).convert("layers.0.mlp.down_proj", _linear(70, 96))
-    if fmt == "int4" and qk.a8_isa() == "avx512-vnni":
+    if qk.a8_isa() == "avx512-vnni":
         row_major = layer(torch.ones(2, 96))
         assert layer.tile_for_a8() and torch.equal(layer(torch.ones(2, 96)), row_major)   # the tiles bound
     w, keep = _weight("down_proj", layer, 70, 96, bias_ok=True)
@@ -346,9 +354,9 @@ def test_fused_step_dispatches_int8_activations_to_the_same_loops(fmt):
 
 @needs_vnni
 def test_an_engine_with_int8_activations_keeps_tiles_and_the_same_tokens(model_dirs, monkeypatch):  # noqa: F811
-    """The engine lays its int4 layers out once (model_runner._tile_for_a8): the fused step and the
-    prefill read the tiles, greedy tokens are those of the row-major loops
-    (MINSERVE_A8_TILES=off), and the copy is counted in the resident weights."""
+    """The engine lays its layers out once (model_runner._tile_for_a8: the int4 layers and the int8
+    head): the fused step and the prefill read the tiles, greedy tokens are those of the row-major
+    loops (MINSERVE_A8_TILES=off), and the copy is counted in the resident weights."""
     from minserve import LLM, SamplingParams
     prompts = [{"prompt_token_ids": [3 + i, 17, 99, 250 + 7 * i, 4]} for i in range(5)]
     runs = {}
@@ -357,7 +365,7 @@ def test_an_engine_with_int8_activations_keeps_tiles_and_the_same_tokens(model_d
         llm = LLM(str(model_dirs["llama"]), quantization="int4", quantization_config={"activations": "int8"},
                   num_kv_blocks=64, block_size=16, max_model_len=256, device="cpu", seed=0)
         runner = llm.llm_engine.runner
-        layers = [m for m in runner.model.modules() if isinstance(m, Int4Linear) and m.activations == "int8"]
+        layers = [m for m in runner.model.modules() if isinstance(m, (Int4Linear, Int8Linear)) and m.activations == "int8"]
         assert layers and all((m.a8_tiles is not None) == (setting == "auto") for m in layers)
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
         runs[setting] = ([o.outputs[0].token_ids for o in outs], runner.weight_footprint().resident_bytes,

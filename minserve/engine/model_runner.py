@@ -44,7 +44,7 @@ from minserve.models.llama import LlamaForCausalLM
 from minserve.models.loader import LoadedModel
 from minserve.models.registry import ModelRegistry
 from minserve.engine.kv_sizing import kv_budget_within
-from minserve.quant.schemes import Int4Linear, apply_quantization
+from minserve.quant.schemes import Int4Linear, Int8Linear, apply_quantization
 from minserve.quant.sizes import WeightFootprint, model_footprint
 from minserve.sampling_params import SamplingParams
 from minserve.spec.verify import accept_one_hot, verify_with_draft
@@ -375,16 +375,16 @@ def _split_for_tiles(model: torch.nn.Module, config: EngineConfig) -> None:
 
 
 def _tile_for_a8(model: torch.nn.Module) -> None:
-    """int8 activations: every int4 layer that takes them also keeps its weight in the integer
-    loops' tile order (Int4Linear.tile_for_a8; the same outputs, faster at every row count), once,
-    before the fused decoder binds them. ``MINSERVE_A8_TILES=off`` keeps the row-major loops (to
-    compare the two). Nothing without AVX-512 VNNI."""
-    layers = [m for m in model.modules() if isinstance(m, Int4Linear) and m.activations == "int8"]
+    """int8 activations: every quantized layer that takes them also keeps its weight in the integer
+    loops' tile order (tile_for_a8; the same outputs, faster at every row count), once, before the
+    fused decoder binds them. ``MINSERVE_A8_TILES=off`` keeps the row-major loops (to compare the
+    two). Nothing without AVX-512 VNNI."""
+    layers = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear)) and m.activations == "int8"]
     if not layers or env_choice("MINSERVE_A8_TILES", ("auto", "off")) == "off":
         return
     tiled = [layer for layer in layers if layer.tile_for_a8()]
     if tiled:
-        log.info("int8 activations: %d int4 layers keep their weights in the loops' tile order (+%.1f MiB)",
+        log.info("int8 activations: %d layers keep their weights in the integer loops' tile order (+%.1f MiB)",
                  len(tiled), sum(layer.a8_tiles.numel() for layer in tiled) / 2**20)
 
 

@@ -38,7 +38,7 @@ class WeightDescriptor:
     # two bf16 halves, which products of many rows multiply on AMX tiles. Not in nbytes: one row
     # still streams the float32 matrix.
     bf16_halves: tuple[torch.Tensor, torch.Tensor] | None = None
-    # int4 with int8 activations on a CPU with AVX-512 VNNI (quant.schemes.Int4Linear.tile_for_a8):
+    # int8 activations on a CPU with AVX-512 VNNI (quant.schemes's tile_for_a8):
     # the same weight again in the integer loops' tile order, which they read instead of the codes.
     # Not in nbytes either: a product reads one copy or the other, the same number of bytes.
     a8_tiles: torch.Tensor | None = None

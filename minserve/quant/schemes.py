@@ -78,6 +78,27 @@ class _QuantLinear(nn.Module):
             self._buffers[n] = b.to(fn(b.new_empty(0)).device)
         return self
 
+    # The weight also in the int8-activation loops' tile order (tile_for_a8), or None.
+    a8_tiles: torch.Tensor | None = None
+
+    def tile_for_a8(self) -> bool:
+        """Keep the weight also in the int8-activation loops' tile order (kernels/quant_a8_tiles.h),
+        which every product of this layer then reads instead of transposing its rows on each call:
+        the same outputs, bit for bit, faster at every row count, for a second copy of the weight's
+        bytes. An engine with int8 activations calls this once its weights are in place
+        (minserve/engine/model_runner.py). False where those loops are not built here (no AVX-512
+        VNNI) or the layer's inputs stay float: nothing changes then."""
+        bits, codes, scales, mins, group = self._a8_weight()
+        if self.activations != "int8" or codes.device.type != "cpu":
+            return False
+        from minserve.kernels.quant import a8_tiles
+        self.a8_tiles = a8_tiles(bits, codes, scales, mins, group)
+        return self.a8_tiles is not None
+
+    def _a8_weight(self) -> tuple:
+        """(bits, codes, scales, mins, group size) as kernels/quant.py's linear_a8 takes them."""
+        raise NotImplementedError
+
     def _path(self, x: torch.Tensor) -> str:
         if self.kernel == "reference":
             return "reference"
@@ -123,10 +144,13 @@ class Int8Linear(_QuantLinear):
         from minserve.kernels.quant import int8_linear
         return int8_linear(x, self.codes, self.scales, bias)
 
+    def _a8_weight(self) -> tuple:
+        return 8, self.codes, self.scales, None, 0
+
     def _a8(self, x, bias, c_kernel: bool):
         if c_kernel:
             from minserve.kernels.quant import linear_a8
-            return linear_a8(x, 8, self.codes, self.scales, None, 0, bias)
+            return linear_a8(x, *self._a8_weight(), bias, tiles=self.a8_tiles)
         return activations.int8_linear_a8(x, self.codes, self.scales, bias)
 
     def _triton(self, x):
@@ -136,7 +160,7 @@ class Int8Linear(_QuantLinear):
     def descriptor(self) -> WeightDescriptor:
         return WeightDescriptor("int8", self.in_features, self.out_features, self.codes,
                                 None if self.bias is None else self.bias.data, scales=self.scales,
-                                activations=self.activations)
+                                activations=self.activations, a8_tiles=self.a8_tiles)
 
 
 class Int4Linear(_QuantLinear):
@@ -150,20 +174,6 @@ class Int4Linear(_QuantLinear):
         self.register_buffer("packed", packed)
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
-        self.a8_tiles: torch.Tensor | None = None   # tile_for_a8()
-
-    def tile_for_a8(self) -> bool:
-        """Keep the weight also in the int8-activation loops' tile order (kernels/quant_a8_tiles.h),
-        which every product of this layer then reads instead of transposing its rows on each call:
-        the same outputs, bit for bit, faster at every row count, for a second copy of the codes,
-        scales and mins. An engine with int8 activations on a CPU with AVX-512 VNNI calls this once
-        its weights are in place (minserve/engine/model_runner.py). False where those loops are
-        not built here or the layer's inputs stay float: nothing changes then."""
-        if self.activations != "int8" or self.packed.device.type != "cpu":
-            return False
-        from minserve.kernels.quant import a8_tiles
-        self.a8_tiles = a8_tiles(self.packed, self.scales, self.mins, self.group_size)
-        return self.a8_tiles is not None
 
     def dequantize(self) -> torch.Tensor:
         return formats.dequantize_int4(self.packed, self.scales, self.mins, self.group_size)
@@ -172,10 +182,13 @@ class Int4Linear(_QuantLinear):
         from minserve.kernels.quant import int4_linear
         return int4_linear(x, self.packed, self.scales, self.mins, self.group_size, bias)
 
+    def _a8_weight(self) -> tuple:
+        return 4, self.packed, self.scales, self.mins, self.group_size
+
     def _a8(self, x, bias, c_kernel: bool):
         if c_kernel:
             from minserve.kernels.quant import linear_a8
-            return linear_a8(x, 4, self.packed, self.scales, self.mins, self.group_size, bias, tiles=self.a8_tiles)
+            return linear_a8(x, *self._a8_weight(), bias, tiles=self.a8_tiles)
         return activations.int4_linear_a8(x, self.packed, self.scales, self.mins, self.group_size, bias)
 
     def _triton(self, x):
