@@ -53,8 +53,9 @@ static void a8_tile_weight(const QWeight *w, __m512i *tiles, int nthreads) {
     }
 }
 
-/* One pass of nb inputs (a constant at each call site) over a tile: out[b] = its 16 rows for input
- * b, before the bias. codes, d, xsum: the pass's interleaved inputs (a8_interleave). */
+/* One pass of nb inputs (a constant at each call site) over an int4 tile: out[b] = its 16 rows for
+ * input b, before the bias (int8 tiles are int8_a8_pack's: a8_packed_pass reads them). codes, d,
+ * xsum: the pass's interleaved inputs (a8_interleave). */
 static inline __attribute__((always_inline)) void
 a8_tiled_pass(const int nb, const __m512i *tile, int64_t blocks, int64_t per_group, const int32_t *codes,
               const float *d, const float *xsum, __m512 out[A8_PACKED_PASS]) {
