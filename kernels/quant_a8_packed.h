@@ -127,11 +127,14 @@ static void int8_a8_pack(const QWeight *w, const uint8_t *const rows[ROW_TILE], 
  * site (a8_pass_of), so each format's and size's loop compiles into registers of its own. */
 static inline __attribute__((always_inline)) void
 a8_packed_pass(const int bits, const int nb, const __m512i *packed, int64_t blocks, int64_t per_group,
-               const int32_t *codes, const float *d, const float *xsum, __m512 out[A8_PACKED_PASS]) {
+               const int32_t *codes, const float *d, const float *xsum, __m512 out[A8_PACKED_PASS],
+               int64_t prefetch_bytes) {
     enum { P = A8_PACKED_PASS };
     const __m512 *sm = (const __m512 *)(packed + 8 * blocks);
     for (int b = 0; b < nb; b++) out[b] = _mm512_setzero_ps();
     for (int64_t k = 0; k < blocks; k++) {
+        if (prefetch_bytes)   /* tiles laid out at load (quant_a8_tiles.h): the one 2 ahead, a share per block */
+            prefetch_share((const uint8_t *)packed, prefetch_bytes, k, blocks);
         __m512i dot[P];
         for (int b = 0; b < nb; b++) dot[b] = _mm512_setzero_si512();
         const int32_t *a = codes + k * 8 * P;
@@ -158,11 +161,11 @@ static inline __attribute__((always_inline)) void
 a8_pass_of(const int bits, int64_t left, const __m512i *packed, int64_t blocks, int64_t per_group,
            const int32_t *codes, const float *d, const float *xsum, __m512 out[A8_PACKED_PASS]) {
     if (left > 8)
-        a8_packed_pass(bits, A8_PACKED_PASS, packed, blocks, per_group, codes, d, xsum, out);
+        a8_packed_pass(bits, A8_PACKED_PASS, packed, blocks, per_group, codes, d, xsum, out, 0);
     else if (left > 4)
-        a8_packed_pass(bits, 8, packed, blocks, per_group, codes, d, xsum, out);
+        a8_packed_pass(bits, 8, packed, blocks, per_group, codes, d, xsum, out, 0);
     else
-        a8_packed_pass(bits, 4, packed, blocks, per_group, codes, d, xsum, out);
+        a8_packed_pass(bits, 4, packed, blocks, per_group, codes, d, xsum, out, 0);
 }
 
 /* Bytes of one packed tile: 16 rows x in codes as bytes, and two vectors per int4 group. */
