@@ -38,6 +38,8 @@ def _library() -> ctypes.CDLL | None:
     lib.ms_paged_attention.restype = _I64
     lib.ms_paged_attention.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _P, _I64,
                                        _P, ctypes.c_float, _P, _I64]
+    lib.ms_write_kv_int8.restype = None
+    lib.ms_write_kv_int8.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P]
     return lib
 
 
@@ -80,3 +82,28 @@ def paged_attention(q: torch.Tensor, caches: tuple, tables: torch.Tensor, positi
     if rc != 0:
         return None   # -1: shapes it does not take; -2: out of memory
     return out.view(rows, H * D).to(q.dtype)
+
+
+def write_kv_int8(cache: torch.Tensor, scales: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> bool:
+    """New tokens' keys or values ``x`` [T, Hkv, D] quantized into their ``slot_mapping`` [T] slots of
+    an int8 ``cache`` [blocks, block_size, Hkv, D] and its ``scales`` [blocks, block_size, Hkv], in C
+    and bit for bit as kernels/triton/reference.py's write_kv_int8 (the fused step's own writer).
+    False when the kernel declines (another device or layout, no compiler): the caller writes in
+    PyTorch. ValueError for a slot outside the cache."""
+    if not (cache.device.type == "cpu" and x.device.type == "cpu" and cache.dtype == torch.int8
+            and cache.dim() == 4 and cache.is_contiguous() and scales.dtype == torch.float32
+            and scales.is_contiguous() and scales.shape == cache.shape[:3] and x.dim() == 3
+            and x.shape[1:] == cache.shape[2:] and slot_mapping.shape == (x.shape[0],)
+            and _library() is not None):
+        return False
+    if x.shape[0] == 0:
+        return True
+    slots = slot_mapping.to(torch.int64).contiguous()
+    lo, hi = (int(v) for v in slots.aminmax())
+    if lo < 0 or hi >= cache.shape[0] * cache.shape[1]:
+        raise ValueError(f"write_kv_int8: slots {lo}..{hi} outside the cache's "
+                         f"{cache.shape[0] * cache.shape[1]} slots")
+    xf = x.float().contiguous()
+    _library().ms_write_kv_int8(_P(xf.data_ptr()), x.shape[0], x.shape[1], x.shape[2], _P(slots.data_ptr()),
+                                _P(cache.data_ptr()), _P(scales.data_ptr()))
+    return True

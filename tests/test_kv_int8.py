@@ -18,7 +18,8 @@ from minserve.config import EngineConfig
 from minserve.engine.kv_cache import extra_keys_digest, kv_cache_bytes_per_token
 from minserve.engine.llm_engine import model_fingerprint
 from minserve.kernels.decode import unsupported_reason
-from minserve.kernels.triton.reference import dequantize_kv_int8, quantize_kv_int8
+from minserve.kernels import paged_attention as paged
+from minserve.kernels.triton.reference import dequantize_kv_int8, quantize_kv_int8, write_kv_int8
 from minserve.models.loader import _smollm2_tokenizer_dir, load_model
 from minserve.models.registry import ModelConfig
 from minserve.models.tiny import TINY_CONFIG, write_tiny_model
@@ -104,6 +105,31 @@ def test_torch_attention_over_int8_is_attention_over_the_dequantized_cache():
     # The same attention over a float cache of the dequantized values, new tokens included.
     dq_k, dq_v = (dequantize_kv_int8(*quantize_kv_int8(x)) for x in (k, v))
     torch.testing.assert_close(out, op(q, dq_k, dq_v, *fp, meta), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(paged._library() is None, reason="no C compiler: the C kernels cannot be built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_writer_stores_the_bits_the_torch_reference_stores(dtype):
+    """The PyTorch path quantizes new K/V into an int8 cache in C (paged_attention.write_kv_int8):
+    the codes and scales of write_kv_int8's torch form, bit for bit, in the given slots only; an
+    all-zero vector stays zeros with scale 0; a slot past the cache is refused, naming the range."""
+    g = torch.Generator().manual_seed(3)
+    blocks, Hkv, D, T = 6, 3, 64, 40
+    x = (torch.randn(T, Hkv, D, generator=g) * torch.logspace(-3, 3, T)[:, None, None]).to(dtype)
+    x[5, 1] = 0
+    slots = torch.randperm(blocks * BS, generator=g)[:T]
+    want, got = ((torch.full((blocks, BS, Hkv, D), 9, dtype=torch.int8), torch.full((blocks, BS, Hkv), -1.0))
+                 for _ in range(2))
+    write_kv_int8(*want, slots, x)
+    assert paged.write_kv_int8(*got, slots, x)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[1].view(-1, Hkv)[slots[5], 1] == 0 and not got[0].view(-1, Hkv, D)[slots[5], 1].any()
+    untouched = torch.ones(blocks * BS, dtype=torch.bool)
+    untouched[slots] = False
+    assert (got[0].view(-1, Hkv, D)[untouched] == 9).all()
+    with pytest.raises(ValueError, match=f"slots 0..{blocks * BS} outside the cache's {blocks * BS} slots"):
+        paged.write_kv_int8(*got, torch.tensor([0, blocks * BS]), x[:2])
+    assert not paged.write_kv_int8(got[0].float(), got[1], slots, x)   # a float cache: not this writer
 
 
 # ---- quality: close to fp32 --------------------------------------------------------------------

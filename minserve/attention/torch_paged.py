@@ -38,9 +38,10 @@ def write_new_kv(k: torch.Tensor, v: torch.Tensor, caches: tuple, slot_mapping: 
     if k_scales is None:
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
-    else:
-        write_kv_int8(k_cache, k_scales, slot_mapping, k)
-        write_kv_int8(v_cache, v_scales, slot_mapping, v)
+    else:   # in C where it can (the same bits), else in PyTorch
+        for cache, scales, x in ((k_cache, k_scales, k), (v_cache, v_scales, v)):
+            if not paged.write_kv_int8(cache, scales, slot_mapping, x):
+                write_kv_int8(cache, scales, slot_mapping, x)
 
 
 class TorchPagedAttention:
