@@ -24,6 +24,9 @@
 #ifndef MINSERVE_QUANT_A8_TILES_H
 #define MINSERVE_QUANT_A8_TILES_H
 
+/* Bytes of tiles below which a call prefetches at any input count (a8_tiled_rows). */
+#define A8_PREFETCH_SHORT ((int64_t)4 << 20)
+
 /* 64-byte vectors of one tile. */
 static inline int64_t a8_tile_vectors(int bits, int64_t in, int64_t group) {
     return bits == 4 ? 4 * (in / A8_BLOCK) + 2 * (in / group) : 8 * (in / A8_BLOCK);
@@ -105,10 +108,18 @@ static void a8_tiled_rows(const QWeight *w, int64_t t, Activations8 act, A8Passe
     __mmask16 mask = r1 - r0 >= 16 ? 0xFFFF : (__mmask16)((1u << (r1 - r0)) - 1);
     const __m512 scale = w->bits == 8 ? _mm512_maskz_loadu_ps(mask, w->scales + r0) : _mm512_setzero_ps();
     /* The tile A8_PREFETCH_TILES ahead, fetched during the first pass, where more than 4 inputs
-     * make a pass long enough to cover it (scratch harness, weights streamed from memory:
-     * 1.2-1.4x at 8-16 inputs; at one input the hardware prefetcher did better alone). */
+     * make a pass long enough to cover it (scratch harness, weights streamed from memory: 1.2-1.4x
+     * at 8-16 inputs), or where the whole weight is a short stream (at most A8_PREFETCH_SHORT),
+     * on which the hardware prefetcher has no time to get going. A long stream at 1-4 inputs (an
+     * LM head) it follows better alone. SmolLM2 W4A8 on the Zen 4 EPYC, the fused step's clock,
+     * rounds alternating with the build before (2026-12-07): prefetching at every size took the
+     * int4 layers (at most 1.3 MB each) at one row from 4.1-4.8 to 3.2 ms a step, but the 28-MB
+     * int8 head from 0.74-0.89 to 0.92-1.05 ms; with this rule the layers at 1, 2 and 4 rows
+     * were faster in 3, 4 and 4 rounds of 4 (e.g. 4 rows 5.1-6.8 -> 4.1-5.8 ms). */
     const int64_t tile_bytes = a8_tile_vectors(w->bits, w->in, w->group) * 64;
-    const int64_t ahead = B > 4 && t + A8_PREFETCH_TILES < (w->out + ROW_TILE - 1) / ROW_TILE ? tile_bytes : 0;
+    const int64_t tiles = (w->out + ROW_TILE - 1) / ROW_TILE;
+    const int64_t ahead = (B > 4 || tiles * tile_bytes <= A8_PREFETCH_SHORT) && t + A8_PREFETCH_TILES < tiles
+                          ? tile_bytes : 0;
     for (int64_t pass = 0; pass < p.passes; pass++) {
         __m512 out[A8_PACKED_PASS];
         const int32_t *codes = p.codes + pass * blocks * 8 * P;
