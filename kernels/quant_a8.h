@@ -501,7 +501,8 @@ static int64_t qmatmul_a8(const QWeight *w, const float *x, Activations8 act, fl
         #pragma omp master
         team = omp_get_num_threads();
 #ifdef A8_PACKED   /* a thread's copy of one tile; without it, the per-pass transposes below */
-        __m512i *packed = passes_buf && !tiled ? aligned_alloc(64, a8_packed_bytes(w)) : NULL;
+        __m512i *packed = passes_buf && !tiled
+                          ? aligned_alloc(64, (size_t)a8_tile_vectors(w->bits, w->in, w->group) * 64) : NULL;
 #endif
         #pragma omp for schedule(static) nowait
         for (int64_t t = 0; t < tiles; t++) {
@@ -512,7 +513,7 @@ static int64_t qmatmul_a8(const QWeight *w, const float *x, Activations8 act, fl
                 continue;
             }
             if (packed) {
-                a8_packed_rows(w, r0, r1, act, passes, y, B, accumulate, packed);
+                a8_packed_rows(w, t, act, passes, y, B, accumulate, packed);
                 continue;
             }
 #endif

@@ -1,12 +1,13 @@
-/* W4A8 and W8A8 at prefill sizes: each weight tile packed once per call, the inputs interleaved
- * (included by quant_a8.h, in its AVX-512 VNNI section, after int8_a8_tile).
+/* W4A8 and W8A8 at prefill sizes: the inputs interleaved, the int8 tile's layout and its pass
+ * (included by quant_a8.h, in its AVX-512 VNNI section, after int8_a8_tile; quant_a8_tiles.h holds
+ * the tile layouts and the loops that read them, at load or packed once per call).
  *
  * Why: int4_a8_tile and int8_a8_tile transpose their 16 rows' bytes into vpdpbusd's lane order
- * (transpose16; int4 also splits the nibbles and transposes each group's scales and mins,
- * columns16) for every pass of A8_BATCH_PASS inputs. At decode sizes that is one or two passes; a
- * 1024-token prefill chunk makes 128. Here a tile is packed into a per-thread buffer once per call
- * (16 rows x in bytes, plus two vectors per int4 group), which stays in L1 / L2 while every input
- * of the call passes over it, A8_PACKED_PASS inputs at a time.
+ * (transpose16; int4 also each group's scales and mins, columns16) for every pass of
+ * A8_BATCH_PASS inputs. At decode sizes that is one or two passes; a 1024-token prefill chunk
+ * makes 128. So a tile is laid out once (per call into a per-thread buffer that stays in L1 / L2
+ * while every input of the call passes over it, or at load: quant_a8_tiles.h), and read
+ * A8_PACKED_PASS inputs at a time.
  *
  * The inputs are interleaved too (a8_interleave): for each pass, block and 4-byte group of the
  * block, the pass's inputs side by side, and each block's scales (and sums) the same way. A pass
@@ -17,8 +18,8 @@
  *
  * The integers and the order of the float operations are those of the per-pass tiles (each
  * block's exact int32 dot product, converted and scaled into the row's running sum block by block;
- * for int4 then the min term; for int8 the shift and the row scale at the end), so both paths give
- * bit-identical outputs (tests/test_quant_a8.py).
+ * for int4 then the min term; for int8 the shift and the row scale at the end), so every path
+ * gives bit-identical outputs (tests/test_quant_a8.py).
  */
 #ifndef MINSERVE_QUANT_A8_PACKED_H
 #define MINSERVE_QUANT_A8_PACKED_H
@@ -27,8 +28,8 @@
 #define A8_PACKED_PASS 12       /* inputs per pass: 12 int32 sums + 12 float sums + a weight vector */
 
 /* Byte offset in a block of 32 activation codes of the 4-byte group that meets weight vector j
- * (0..7): int8 tiles hold columns 4j..4j+3 in vector j; int4 tiles the low nibbles of columns
- * 8j'..8j'+7 in vectors 0-3 and the high ones in 4-7 (see int4_a8_pack and quantize_block). */
+ * (0..7): int8 tiles hold columns 4j..4j+3 in vector j; for int4, vector j < 4 is the low nibbles
+ * of dword j of the block's bytes, 4 + j their high nibbles (quant_a8_tiles.h, quantize_block). */
 static inline int64_t a8_group_offset(int int4, int j) { return int4 ? 8 * (j % 4) + 4 * (j / 4) : 4 * j; }
 
 typedef struct {    /* x's codes for the packed tiles, A8_PACKED_PASS inputs side by side */
@@ -79,37 +80,6 @@ static void int4_group_levels(const QWeight *w, const int64_t row_ids[ROW_TILE],
     }
 }
 
-/* A block's int4 sums into the pass's float sums, in int4_a8_tile's order: each int32 sum
- * converted, times its group's scale times the input's block scale, then the min times the
- * block's float sum. d, xsum: the block's values for the pass's inputs. */
-static inline __attribute__((always_inline)) void
-int4_scale_block(const int nb, const __m512i *dot, __m512 s, __m512 m, const float *d, const float *xsum,
-                 __m512 *out) {
-    for (int b = 0; b < nb; b++) {
-        __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(d[b]));
-        out[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[b]), sd, out[b]);
-        out[b] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[b]), out[b]);
-    }
-}
-
-/* The int4 tile in vpdpbusd's lane order, nibbles as bytes: 8 vectors per block of 32 columns
- * (the 4 low-nibble vectors, then the 4 high), then each group's scales and mins as vectors
- * (columns16), after the blocks: packed[8 * blocks + 2 * g] and [8 * blocks + 2 * g + 1]. */
-static void int4_a8_pack(const QWeight *w, const uint8_t *const rows[ROW_TILE], const int64_t row_ids[ROW_TILE],
-                         __m512i *packed) {
-    const int64_t blocks = w->in / A8_BLOCK;
-    const __m512i nibble = _mm512_set1_epi8(15);
-    for (int64_t k = 0; k < blocks; k++) {
-        __m512i T[4];
-        transpose16(rows, k * (A8_BLOCK / 2), T);
-        for (int j = 0; j < 4; j++) {
-            _mm512_store_si512(packed + 8 * k + j, _mm512_and_si512(T[j], nibble));
-            _mm512_store_si512(packed + 8 * k + 4 + j, _mm512_and_si512(_mm512_srli_epi16(T[j], 4), nibble));
-        }
-    }
-    int4_group_levels(w, row_ids, (__m512 *)(packed + 8 * blocks));
-}
-
 /* The int8 tile in vpdpbusd's lane order, each code + 128 (unsigned, as int8_a8_tile makes them):
  * 8 vectors per block of 32 columns. */
 static void int8_a8_pack(const QWeight *w, const uint8_t *const rows[ROW_TILE], __m512i *packed) {
@@ -122,86 +92,26 @@ static void int8_a8_pack(const QWeight *w, const uint8_t *const rows[ROW_TILE], 
     }
 }
 
-/* One pass over a packed tile: out[b] = the tile's 16 rows for the pass's input b < nb, before the
- * bias (int8: before the shift and the row scale too). bits and nb are constants at each call
- * site (a8_pass_of), so each format's and size's loop compiles into registers of its own. */
+/* One pass of nb inputs (a constant at each call site) over an int8 tile (int8_a8_pack's layout):
+ * out[b] = its 16 rows for input b, before the shift, the row scale and the bias. codes, d: the
+ * pass's interleaved inputs; prefetch_bytes: see quant_a8_tiles.h's a8_tile_rows. */
 static inline __attribute__((always_inline)) void
-a8_packed_pass(const int bits, const int nb, const __m512i *packed, int64_t blocks, int64_t per_group,
-               const int32_t *codes, const float *d, const float *xsum, __m512 out[A8_PACKED_PASS],
-               int64_t prefetch_bytes) {
+int8_a8_pass(const int nb, const __m512i *tile, int64_t blocks, const int32_t *codes, const float *d,
+             __m512 out[A8_PACKED_PASS], int64_t prefetch_bytes) {
     enum { P = A8_PACKED_PASS };
-    const __m512 *sm = (const __m512 *)(packed + 8 * blocks);
     for (int b = 0; b < nb; b++) out[b] = _mm512_setzero_ps();
     for (int64_t k = 0; k < blocks; k++) {
-        if (prefetch_bytes)   /* tiles laid out at load (quant_a8_tiles.h): the one 2 ahead, a share per block */
-            prefetch_share((const uint8_t *)packed, prefetch_bytes, k, blocks);
+        if (prefetch_bytes) prefetch_share((const uint8_t *)tile, prefetch_bytes, k, blocks);
         __m512i dot[P];
         for (int b = 0; b < nb; b++) dot[b] = _mm512_setzero_si512();
         const int32_t *a = codes + k * 8 * P;
         _Pragma("GCC unroll 8")   /* unrolled, the pass's sums stay in registers */
         for (int j = 0; j < 8; j++) {
-            const __m512i Tj = _mm512_load_si512(packed + 8 * k + j);
+            const __m512i Tj = _mm512_load_si512(tile + 8 * k + j);
             for (int b = 0; b < nb; b++) dot[b] = _mm512_dpbusd_epi32(dot[b], Tj, _mm512_set1_epi32(a[j * P + b]));
         }
-        if (bits == 4) {
-            int4_scale_block(nb, dot, sm[2 * (k / per_group)], sm[2 * (k / per_group) + 1], d + k * P,
-                             xsum + k * P, out);
-        } else {
-            for (int b = 0; b < nb; b++)
-                out[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[b]), _mm512_set1_ps(d[k * P + b]), out[b]);
-        }
-    }
-}
-
-/* A pass of `left` inputs (the last one may be short): 12, or the next multiple of 4, so that a
- * call of 32 or 64 inputs computes no padding rows (padded to 12, int4 at 32 rows was slower:
- * docs/performance/vllm-zen4.md). Rows past `left` in the pass are copies of the last input, their
- * sums never stored. */
-static inline __attribute__((always_inline)) void
-a8_pass_of(const int bits, int64_t left, const __m512i *packed, int64_t blocks, int64_t per_group,
-           const int32_t *codes, const float *d, const float *xsum, __m512 out[A8_PACKED_PASS]) {
-    if (left > 8)
-        a8_packed_pass(bits, A8_PACKED_PASS, packed, blocks, per_group, codes, d, xsum, out, 0);
-    else if (left > 4)
-        a8_packed_pass(bits, 8, packed, blocks, per_group, codes, d, xsum, out, 0);
-    else
-        a8_packed_pass(bits, 4, packed, blocks, per_group, codes, d, xsum, out, 0);
-}
-
-/* Bytes of one packed tile: 16 rows x in codes as bytes, and two vectors per int4 group. */
-static inline size_t a8_packed_bytes(const QWeight *w) {
-    return (size_t)w->in * ROW_TILE + (w->bits == 4 ? (size_t)(w->in / w->group) * 2 * 64 : 0);
-}
-
-/* Rows [r0, r1) of y for all B inputs through one packed copy of the tile (scratch: a8_packed_bytes,
- * 64-byte aligned). act: the inputs as quantize_a8 left them (int8's shifts); p: interleaved. */
-static void a8_packed_rows(const QWeight *w, int64_t r0, int64_t r1, Activations8 act, A8Passes p,
-                           float *y, int64_t B, int accumulate, __m512i *scratch) {
-    const uint8_t *rows[ROW_TILE];
-    int64_t row_ids[ROW_TILE];
-    const int64_t blocks = w->in / A8_BLOCK, P = A8_PACKED_PASS;
-    tile_rows(w->codes, w->bits == 4 ? w->in / 2 : w->in, r0, r1, rows, row_ids);
-    __mmask16 mask = r1 - r0 >= 16 ? 0xFFFF : (__mmask16)((1u << (r1 - r0)) - 1);
-    __m512 scale = _mm512_setzero_ps();
-    if (w->bits == 4) {
-        int4_a8_pack(w, rows, row_ids, scratch);
-    } else {
-        int8_a8_pack(w, rows, scratch);
-        scale = _mm512_maskz_loadu_ps(mask, w->scales + r0);
-    }
-    for (int64_t pass = 0; pass < p.passes; pass++) {
-        __m512 out[A8_PACKED_PASS];
-        const int32_t *codes = p.codes + pass * blocks * 8 * P;
-        const float *d = p.d + pass * blocks * P, *xsum = p.xsum + pass * blocks * P;
-        int nb = B - pass * P < P ? (int)(B - pass * P) : (int)P;
-        if (w->bits == 4) {
-            a8_pass_of(4, nb, scratch, blocks, w->group / A8_BLOCK, codes, d, xsum, out);
-        } else {
-            a8_pass_of(8, nb, scratch, blocks, 1, codes, d, xsum, out);
-            for (int b = 0; b < nb; b++)
-                out[b] = _mm512_mul_ps(_mm512_sub_ps(out[b], _mm512_set1_ps(act.shift[pass * P + b])), scale);
-        }
-        store_tile(out, w->bias, r0, r1, y + pass * P * w->out, w->out, nb, accumulate);
+        for (int b = 0; b < nb; b++)
+            out[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[b]), _mm512_set1_ps(d[k * P + b]), out[b]);
     }
 }
 
