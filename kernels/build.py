@@ -28,7 +28,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from minserve.paths import cache_dir
+from minserve.paths import cache_dir, cache_entry_lock
 
 SOURCE_DIR = Path(__file__).resolve().parent  # <name>.c beside build.py, wherever the package is
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast",
@@ -137,6 +137,14 @@ def build(name: str) -> Path:
     if not os.access(out.parent, os.W_OK):  # a read-only cache prepared for another CPU or source
         raise KernelUnavailable(f"the kernel cache {out.parent} is read-only and holds no {out.name}; "
                                 "run `minserve prepare` with write access, or set MINSERVE_CACHE")
+    with cache_entry_lock(f"kernels-{out.stem}"):   # processes starting together compile it once
+        if out.exists():   # built by another process while this one waited
+            return out
+        return _compile(name, out)
+
+
+def _compile(name: str, out: Path) -> Path:
+    """Run the compiler into a temporary name beside ``out``, then rename it into place."""
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.so")  # rename is atomic: no half-written .so
     cmd = [_compiler(), *FLAGS, *vendor_flags(), str(SOURCE_DIR / f"{name}.c"), "-o", str(tmp), "-lm"]
     # Said before it starts: a first engine otherwise sits silent for decode.c's ~20 s.

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from minserve.config import cache_dir  # noqa: F401  (also re-exported: older imports)
+from minserve.paths import cache_entry_lock
 from minserve.models.registry import MODEL_ALIASES, ModelConfig
 
 log = logging.getLogger("minserve")
@@ -167,6 +168,13 @@ def _converted(key: str, convert) -> Path:
     out = cache_dir() / key
     if (out / _DONE).exists():
         return out  # a prepared (possibly read-only) cache: reading it writes nothing
+    with cache_entry_lock(key):   # processes starting together convert it once
+        if not (out / _DONE).exists():   # else converted by another process while this one waited
+            _convert_into(out, key, convert)
+    return out
+
+
+def _convert_into(out: Path, key: str, convert) -> None:
     # mkdir, not mkdtemp: mkdtemp makes the directory 0700, and a cache prepared by one account
     # for a workshop must stay readable by the participants' accounts (the umask decides).
     tmp = out.parent / f".{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -187,7 +195,6 @@ def _converted(key: str, convert) -> Path:
         log.info("%s ready in %.1f s", key, time.perf_counter() - t0)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def _gguf_path(spec: dict) -> Path:
