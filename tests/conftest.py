@@ -28,6 +28,35 @@ if str(LABS_DIR) not in sys.path:
     sys.path.insert(0, str(LABS_DIR))
 
 
+
+def _one_default_ssl_context() -> None:
+    """Every httpx client builds an SSL context on creation (certifi's CA list parsed: ~40 ms of
+    CPU here) even for the plain-HTTP servers these tests talk to; ~600 clients made it ~25 s of
+    tests/ (counted 2026-12-07). Clients with the default settings share one context, built once;
+    any other settings build their own as before. Where httpx is laid out otherwise (another
+    version), nothing changes."""
+    try:
+        from httpx._transports import default as transports
+    except ImportError:
+        return
+    build = getattr(transports, "create_ssl_context", None)
+    if build is None:
+        return
+    shared = []
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is not True or cert is not None or not trust_env:
+            return build(verify=verify, cert=cert, trust_env=trust_env)
+        if not shared:
+            shared.append(build(verify=verify, cert=cert, trust_env=trust_env))
+        return shared[0]
+
+    transports.create_ssl_context = create_ssl_context
+
+
+_one_default_ssl_context()
+
+
 @pytest.fixture(autouse=True)
 def _seed_global_rngs():
     """Every test starts from the same global random state, whatever ran before it.
