@@ -262,7 +262,7 @@ def a8_tiles(bits: int, codes: torch.Tensor, scales: torch.Tensor, mins: torch.T
     if lib is None or codes.device.type != "cpu":
         return None
     out, in_features = _a8_shape(bits, codes, scales, mins, group_size)
-    nbytes = lib.ms_a8_tiles_bytes(bits, in_features, out, group_size)
+    nbytes = a8_tiles_bytes(bits, in_features, out, group_size)
     if nbytes <= 0:
         return None
     tiles = torch.empty(nbytes, dtype=torch.uint8)   # CPU tensors start 64-byte aligned
@@ -270,6 +270,14 @@ def a8_tiles(bits: int, codes: torch.Tensor, scales: torch.Tensor, mins: torch.T
                       tiles.data_ptr(), num_threads) != 0:
         return None
     return tiles
+
+
+def a8_tiles_bytes(bits: int, in_features: int, out: int, group_size: int) -> int:
+    """Bytes of :func:`a8_tiles` for an [out, in_features] weight (bits 8, or 4 in groups of
+    ``group_size``): 0 where this machine's build has no such loops or the shape does not divide
+    into them. The C build's own count, which the planner uses too (minserve/plan/budget.py)."""
+    lib = _lib()
+    return 0 if lib is None else max(0, int(lib.ms_a8_tiles_bytes(bits, in_features, out, group_size)))
 
 
 def _a8_shape(bits: int, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
@@ -293,7 +301,7 @@ def _a8_shape(bits: int, codes: torch.Tensor, scales: torch.Tensor, mins: torch.
 
 def check_tiles(tiles: torch.Tensor, bits: int, in_features: int, out: int, group_size: int) -> None:
     """ValueError unless ``tiles`` is what :func:`a8_tiles` makes for a weight of this shape."""
-    want = _lib().ms_a8_tiles_bytes(bits, in_features, out, group_size)
+    want = a8_tiles_bytes(bits, in_features, out, group_size)
     if (tiles.dtype is not torch.uint8 or tiles.dim() != 1 or tiles.numel() != want or not tiles.is_contiguous()
             or tiles.data_ptr() % 64):
         raise ValueError(f"tiles must be a8_tiles()'s uint8 tensor of {want} bytes (64-byte aligned) for this "

@@ -211,6 +211,20 @@ def test_frames():
     assert list(both["hardware"]) == ["H100 SXM", "L4"] and both["max_num_seqs"].iloc[0] > both["max_num_seqs"].iloc[1]
 
 
+def test_int8_activations_are_planned_for_the_cpu_and_quantized_weights_only(capsys):
+    cpu = Hardware("a CPU", 2**34, 1e10, 1e11, 1e11, "test", device="cpu")
+    with pytest.raises(ValueError, match="CPU only; H100 SXM is a GPU"):
+        plan("tiny-llama", hardware="h100", precision="int4", activations="int8")
+    with pytest.raises(ValueError, match="need precision int8 or int4, got 'fp32'"):
+        plan("tiny-llama", hardware=cpu, precision="fp32", activations="int8")
+    with pytest.raises(ValueError, match="activations must be one of float, int8, got 'int4'"):
+        plan("tiny-llama", hardware=cpu, precision="int4", activations="int4")
+    assert get_hardware("h100").device == "cuda"
+    assert main(["plan", "--model", "tiny-llama", "--hardware", "h100", "--precision", "int4",
+                 "--activations", "int8"]) == 2
+    assert "CPU only" in capsys.readouterr().err
+
+
 def test_cli(capsys):
     assert main(["plan", "--model", "tiny-llama", "--hardware", "h100", "--context-len", "1024",
                  "--precision", "int4", "--memory", "80GiB"]) == 0

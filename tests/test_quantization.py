@@ -23,7 +23,7 @@ from minserve.models.llama import LlamaForCausalLM
 from minserve.models.loader import load_model
 from minserve.models.registry import ModelConfig
 from minserve.models.tiny import TINY_CONFIG, tiny_weights
-from minserve.plan import budget, plan
+from minserve.plan import Hardware, budget, plan
 from minserve.quant import (Int4Linear, Int8Linear, apply_quantization, formats, make_scheme, model_footprint,
                             set_kernel)
 from minserve.quant.awq import calibration_batches, fake_int4, load_calibration, record_inputs, summed_errors
@@ -287,6 +287,24 @@ print("ok")
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("precision,config", [("int4", {}), ("int8", {}), ("int4", {"lm_head": "keep"})])
+def test_the_planner_predicts_an_engine_with_int8_activations(precision, config):
+    # On a CPU with AVX-512 VNNI such an engine keeps its quantized matmuls twice (the integer
+    # loops' tiles): the planner counts them, so weights and KV blocks agree with the engine's.
+    # Elsewhere both count no tiles, and still agree.
+    eng = LLM("smollm2-135m", quantization=precision, quantization_config={"activations": "int8", **config},
+              memory_budget="1GiB").llm_engine
+    fp = eng.runner.weight_footprint()
+    cpu = Hardware("a CPU", 2**34, 1e10, 1e11, 1e11, "test", device="cpu")
+    args = dict(hardware=cpu, precision=precision, dtype="float32", memory_budget="1GiB", lm_head=config.get("lm_head"))
+    p = plan("smollm2-135m", activations="int8", **args)
+    assert (p.weight_bytes, p.weight_bytes_per_step) == (fp.resident_bytes, fp.streamed_bytes)
+    assert p.num_kv_blocks == eng.kv_spec.num_blocks
+    tiled = [m for m in eng.runner.model.modules() if getattr(m, "a8_tiles", None) is not None]
+    assert p.a8_tile_bytes == sum(m.a8_tiles.numel() for m in tiled)
+    assert p.weight_bytes == plan("smollm2-135m", **args).weight_bytes + p.a8_tile_bytes
+
+
 def test_the_planner_predicts_the_smollm2_int4_engine():
     eng = LLM("smollm2-135m", quantization="int4", memory_budget="1GiB").llm_engine
     fp = eng.runner.weight_footprint()

@@ -88,6 +88,8 @@ class WeightBytes:
     embedding: int       # the input table when it is its own tensor (untied, or tied to a head
                          # that was quantized); 0 when the LM head *is* the table
     lm_head: int = 0     # the LM head's codes or dense matrix, read whole every step
+    a8_tiles: int = 0    # int8 activations on a CPU: each quantized matmul again in the integer
+                         # loops' tile order (resident, not streamed: a8_tile_bytes)
 
     @property
     def per_step(self) -> int:
@@ -96,7 +98,7 @@ class WeightBytes:
 
     @property
     def resident(self) -> int:
-        return self.per_step + self.embedding
+        return self.per_step + self.embedding + self.a8_tiles
 
 
 def weight_bytes(cfg: ModelConfig, precision: str = "fp32", dtype: str | None = None,
@@ -125,6 +127,32 @@ def weight_bytes(cfg: ModelConfig, precision: str = "fp32", dtype: str | None = 
     separate_table = not cfg.tie_word_embeddings or head_precision != "fp32"
     return WeightBytes(w, s + head_scales, (_bias_params(cfg) + norms) * act,
                        table * act if separate_table else 0, head)
+
+
+def a8_tile_bytes(cfg: ModelConfig, precision: str, group_size: int = INT4_DEFAULT_GROUP_SIZE,
+                  lm_head: str | None = None, fallback: bool = True) -> int:
+    """The second copy an engine with int8 activations keeps on this CPU: every quantized matmul
+    whose inputs are quantized (in_features a multiple of 32), the LM head included when it is
+    quantized, laid out once in the integer loops' tile order (kernels/quant_a8_tiles.h; the
+    engine's ``model_runner._tile_for_a8``). Sized by this machine's C build (0 where it has no
+    such loops: no AVX-512 VNNI, no compiler), as the engine's layers are."""
+    from minserve.kernels.quant import a8_tiles_bytes
+    precision, _ = normalize_precision(precision, None)
+    if precision not in ("int8", "int4"):
+        raise ValueError(f"int8 activations need precision int8 or int4, got {precision!r}")
+    lm_head = lm_head or DEFAULT_LM_HEAD[precision]
+    head_precision = {"quantize": precision, "int8": "int8", "keep": None}[lm_head]
+    matrices = [(o, i, precision) for o, i in block_matrices(cfg)]
+    if head_precision:
+        matrices.append((cfg.vocab_size, cfg.hidden_size, head_precision))
+    total = 0
+    for out, inp, prec in matrices:
+        if inp % 32:
+            continue   # its inputs stay float: no tiles
+        g = resolve_group_size(group_size, inp, fallback, f"a [{out} x {inp}] matrix", "group_size") \
+            if prec == "int4" else group_size
+        total += a8_tiles_bytes(8 if prec == "int8" else 4, inp, out, g)
+    return total
 
 
 def _bias_params(cfg: ModelConfig) -> int:

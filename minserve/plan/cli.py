@@ -29,6 +29,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lm-head", choices=("quantize", "int8", "keep"), default=None,
                     help="int8/int4: the LM head in the format, in int8 (int4 only) or dense "
                          "(default: the engine's: int8)")
+    ap.add_argument("--activations", choices=("float", "int8"), default="float",
+                    help="int8/int4 on the CPU: int8 quantizes the inputs too (W8A8, W4A8), as the engine's "
+                         "quantization_config; the weights then count the tiles its integer loops keep")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (engine default 16)")
     ap.add_argument("--memory", help="memory for weights + KV, e.g. 80GiB (default: the hardware's)")
     ap.add_argument("--kv-cache-memory", help="fix the KV budget instead, e.g. 2GiB (as the engine flag)")
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         plans = [plan(a.model, hardware=n, memory_budget=a.memory, context_len=a.context_len,
                       precision=a.precision, dtype=a.dtype, group_size=a.group_size, lm_head=a.lm_head,
                       block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
-                      kv_cache_dtype=a.kv_cache_dtype) for n in names]
+                      kv_cache_dtype=a.kv_cache_dtype, activations=a.activations) for n in names]
     except ValueError as e:
         print(f"minserve plan: {e}", file=sys.stderr)
         return 2

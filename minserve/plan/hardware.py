@@ -24,6 +24,7 @@ class Hardware:
     bf16_flops_per_s: float        # dense 16-bit matmul rate (bf16/fp16; also int8/int4 weight-only)
     fp32_flops_per_s: float        # fp32 matmul rate (no TF32 on GPUs: that is not fp32 arithmetic)
     source: str                    # where the numbers come from
+    device: str = "cuda"           # what the engine runs on there: the datasheets' GPUs, or "cpu"
 
     def flops_per_s(self, compute_dtype: str) -> float:
         return self.fp32_flops_per_s if compute_dtype == "float32" else self.bf16_flops_per_s

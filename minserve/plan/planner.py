@@ -49,6 +49,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     kv_cache_dtype: str = "auto"  # the engine argument: "auto" (KV in dtype) or "int8"
     lm_head: str = "keep"         # int8/int4: the LM head's format ("quantize", "int8", "keep")
+    activations: str = "float"    # int8/int4 on the CPU: "int8" quantizes the inputs too (W8A8, W4A8)
+    a8_tile_bytes: int = 0        # of weight_bytes: the tiles int8 activations keep (budget.a8_tile_bytes)
 
     @property
     def kv_tokens(self) -> int:
@@ -74,9 +76,11 @@ class Plan:
             ("precision", self.precision + (f", group {self.group_size}" if self.precision == "int4" else "")
              + (f", LM head {_HEAD_NAMES.get(self.lm_head, self.precision)}" if self.precision in ("int8", "int4")
                 else ""),
-             f"activations in {self.dtype}, KV in "
+             f"activations in {'int8 blocks of 32 at the products, else ' if self.activations == 'int8' else ''}"
+             f"{self.dtype}, KV in "
              f"{self.dtype if self.kv_cache_dtype == 'auto' else self.kv_cache_dtype}"),
-            ("weights", f"{self.weight_bytes / mb:,.1f} MiB", f"{self.scale_bytes / mb:,.2f} MiB of it scales/mins"),
+            ("weights", f"{self.weight_bytes / mb:,.1f} MiB", f"{self.scale_bytes / mb:,.2f} MiB of it scales/mins"
+             + (f", {self.a8_tile_bytes / mb:,.1f} MiB tiles for int8 activations" if self.a8_tile_bytes else "")),
             ("weights read per step", f"{self.weight_bytes_per_step / mb:,.1f} MiB", "all but the embedding table"),
             ("KV per token", f"{self.kv_bytes_per_token:,} B",
              "2 x layers x kv_heads x head_dim x bytes" if self.kv_cache_dtype == "auto" else
@@ -136,7 +140,7 @@ def plan(model: str | Path | ModelConfig = "smollm2-135m", hardware: str | Hardw
          memory_budget: int | str | None = None, context_len: int | None = None, precision: str = "fp32",
          dtype: str | None = None, group_size: int = budget.INT4_DEFAULT_GROUP_SIZE, block_size: int = 16,
          kv_cache_memory: int | str | None = None, kv_cache_dtype: str = "auto",
-         lm_head: str | None = None) -> Plan:
+         lm_head: str | None = None, activations: str = "float") -> Plan:
     """The serving envelope of ``model`` on ``hardware`` (a name from ``known_hardware()``,
     ``"this"`` for this machine as measured, or a :class:`Hardware`).
 
@@ -151,6 +155,9 @@ def plan(model: str | Path | ModelConfig = "smollm2-135m", hardware: str | Hardw
     ``context_len`` defaults to the model's context length,
     at most 4096. ``kv_cache_dtype`` is the engine argument: "auto" (KV in ``dtype``) or "int8"
     (engine/kv_cache.py's bytes per token, the same function the engine sizes its pool with).
+    ``activations``: the int8/int4 engines' ``quantization_config["activations"]``: "float", or
+    "int8" (CPU only, as the engine; the weights then count the tiles its integer loops keep,
+    ``budget.a8_tile_bytes``; the roofline still uses the 16-bit rate).
     The defaults (this machine, fp32) are what minserve runs here; for a GPU pass
     e.g. ``hardware="h100", precision="bf16"``. See :mod:`minserve.plan.budget` for the formulas."""
     name, cfg = model_config(model)
@@ -161,6 +168,12 @@ def plan(model: str | Path | ModelConfig = "smollm2-135m", hardware: str | Hardw
         context_len = min(4096, cfg.max_position_embeddings)
     _check_int("context_len", context_len, 1, cfg.max_position_embeddings)
     w = budget.weight_bytes(cfg, precision, dtype, group_size, lm_head)
+    if activations not in ("float", "int8"):
+        raise ValueError(f"activations must be one of float, int8, got {activations!r}")
+    if activations == "int8":
+        if hw.device != "cpu":
+            raise ValueError(f"activations='int8' has kernels for the CPU only; {hw.name} is a GPU")
+        w.a8_tiles = budget.a8_tile_bytes(cfg, precision, group_size, lm_head)
     memory = hw.memory_bytes if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
     kv_per_token = kv_cache_bytes_per_token(cfg, kv_cache_dtype, dtype)  # the engine's own formula
     notes = _group_notes(cfg, precision, group_size, lm_head)
@@ -188,7 +201,8 @@ def plan(model: str | Path | ModelConfig = "smollm2-135m", hardware: str | Hardw
                 budget.param_count(cfg), w.resident, w.per_step, w.scales, kv_per_token, memory, kv_budget,
                 blocks, per_seq, seqs, bw, rate, pre.seconds, pre.bound, one.seconds, one.bound,
                 None if full is None else full.seconds, None if full is None else full.bound, notes,
-                kv_cache_dtype, lm_head or budget.DEFAULT_LM_HEAD.get(precision, "keep"))
+                kv_cache_dtype, lm_head or budget.DEFAULT_LM_HEAD.get(precision, "keep"), activations,
+                w.a8_tiles)
 
 
 def _group_notes(cfg: ModelConfig, precision: str, group_size: int, lm_head: str | None) -> list[str]:

@@ -134,6 +134,7 @@ def this_machine(remeasure: bool = False) -> Hardware:
     dev = torch.cuda.get_device_name(0) if _device() == "cuda" else cpu_model()
     hw = Hardware(f"this ({dev}, {torch.get_num_threads()} threads)", int(data["memory_bytes"]),
                   float(data["bandwidth_bytes_per_s"]), float(data["bf16_flops_per_s"]),
-                  float(data["fp32_flops_per_s"]), f"measured {data['measured_at']} ({path.name})")
+                  float(data["fp32_flops_per_s"]), f"measured {data['measured_at']} ({path.name})",
+                  _device())
     _MEMO[key] = hw
     return hw
