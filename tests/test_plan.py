@@ -213,7 +213,7 @@ def test_frames():
 
 def test_int8_activations_are_planned_for_the_cpu_and_quantized_weights_only(capsys):
     cpu = Hardware("a CPU", 2**34, 1e10, 1e11, 1e11, "test", device="cpu")
-    with pytest.raises(ValueError, match="CPU only; H100 SXM is a GPU"):
+    with pytest.raises(ValueError, match="CPU only; H100 SXM has device='cuda'"):
         plan("tiny-llama", hardware="h100", precision="int4", activations="int8")
     with pytest.raises(ValueError, match="need precision int8 or int4, got 'fp32'"):
         plan("tiny-llama", hardware=cpu, precision="fp32", activations="int8")

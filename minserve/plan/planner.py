@@ -172,7 +172,7 @@ def plan(model: str | Path | ModelConfig = "smollm2-135m", hardware: str | Hardw
         raise ValueError(f"activations must be one of float, int8, got {activations!r}")
     if activations == "int8":
         if hw.device != "cpu":
-            raise ValueError(f"activations='int8' has kernels for the CPU only; {hw.name} is a GPU")
+            raise ValueError(f"activations='int8' has kernels for the CPU only; {hw.name} has device={hw.device!r}")
         w.a8_tiles = budget.a8_tile_bytes(cfg, precision, group_size, lm_head)
     memory = hw.memory_bytes if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
     kv_per_token = kv_cache_bytes_per_token(cfg, kv_cache_dtype, dtype)  # the engine's own formula
