@@ -28,7 +28,6 @@ if str(LABS_DIR) not in sys.path:
     sys.path.insert(0, str(LABS_DIR))
 
 
-
 def _one_default_ssl_context() -> None:
     """Every httpx client builds an SSL context on creation (certifi's CA list parsed: ~40 ms of
     CPU here) even for the plain-HTTP servers these tests talk to; ~600 clients made it ~25 s of
