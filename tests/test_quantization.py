@@ -312,3 +312,27 @@ def test_the_planner_predicts_the_smollm2_int4_engine():
     assert (p.weight_bytes, p.weight_bytes_per_step) == (fp.resident_bytes, fp.streamed_bytes)
     assert p.num_kv_blocks == eng.kv_spec.num_blocks == 1155
     assert isinstance(eng.runner.model.lm_head, Int8Linear)  # the int4 default: an int8 head
+
+
+@pytest.mark.parametrize("tile_dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_beside_a_long_one_keeps_its_logits_with_float32_prefill_tiles(tile_dtype, monkeypatch):
+    """docs/engine/sampling.md: int8/int4 weights multiply steps of PREFILL_MIN_ROWS tokens or more
+    in the prefill tiles' dtype, bfloat16 where the CPU has bf16 dot products, so a prompt's logits
+    then depend on what shares its step (a seeded draw can change); in float32 tiles they agree
+    with the prompt's alone to rounding (MINSERVE_PREFILL_TILE_DTYPE=float32)."""
+    from minserve.kernels import quant as qk
+    from minserve.models import gemm
+    if tile_dtype is torch.bfloat16 and not gemm.native_bf16():
+        pytest.skip("no native bf16 dot products here: the tiles stay float32")
+    monkeypatch.setattr(qk, "prefill_tile_dtype", lambda: tile_dtype)
+    llm = LLM("tiny-llama", quantization="int4", num_kv_blocks=64)
+    probe = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    alone = llm.generate(["Invent a word:"], probe, use_tqdm=False)[0].outputs[0].logprobs[0]
+    long_prompt = "x " * (qk.PREFILL_MIN_ROWS + 40)   # the step now has more rows than the tiles need
+    crowd = llm.generate([long_prompt, "Invent a word:"], [SamplingParams(max_tokens=1), probe],
+                         use_tqdm=False)[1].outputs[0].logprobs[0]
+    apart = max(abs(alone[t].logprob - crowd[t].logprob) for t in alone if t in crowd)
+    if tile_dtype is torch.float32:
+        assert apart < 1e-4
+    else:
+        assert apart > 1e-4   # bfloat16 rounding of the step's inputs: this prompt's logits moved
