@@ -41,6 +41,8 @@ def cache_entry_lock(entry: str):
         except BlockingIOError:
             logging.getLogger("minserve").info("waiting for another process preparing %s ...", entry)
             fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:   # a file system without flock (some network mounts: ENOLCK): no lock
+            pass
         yield
     finally:
         os.close(fd)   # closing the last descriptor releases the lock
