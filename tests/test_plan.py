@@ -237,3 +237,11 @@ def test_cli(capsys):
     assert "L4" in capsys.readouterr().out
     assert main(["plan", "--model", "tiny-llama", "--hardware", "tpu"]) == 2
     assert "hardware must be one of" in capsys.readouterr().err
+
+
+def test_a_group_size_note_does_not_hide_that_no_sequence_fits():
+    p = plan("smollm2-135m", hardware="h100", precision="int4", group_size=128, memory_budget="300MiB",
+             context_len=8192)
+    assert p.max_num_seqs == 0
+    assert [n.split(":")[0].split(" ")[0] for n in p.notes] == ["g128", "not"]
+    assert p.notes[1] == "not one sequence of 8192 tokens fits in the KV budget"
