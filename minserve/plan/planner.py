@@ -177,7 +177,7 @@ def plan(model: str | Path | ModelConfig = "smollm2-135m", hardware: str | Hardw
     memory = hw.memory_bytes if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
     kv_per_token = kv_cache_bytes_per_token(cfg, kv_cache_dtype, dtype)  # the engine's own formula
     notes = _group_notes(cfg, precision, group_size, lm_head)
-    over = len(notes)   # the notes before this say nothing about memory
+    memory_notes_from = len(notes)   # the notes so far say nothing about memory
     if kv_cache_memory is not None:
         kv_budget = parse_bytes(kv_cache_memory, "kv_cache_memory")
         if w.resident + kv_budget > memory:
@@ -192,7 +192,7 @@ def plan(model: str | Path | ModelConfig = "smollm2-135m", hardware: str | Hardw
     blocks = kv_budget // (kv_per_token * block_size)
     per_seq = math.ceil(context_len / block_size)
     seqs = blocks // per_seq
-    if seqs == 0 and len(notes) == over:   # no note said the budget is exceeded
+    if seqs == 0 and len(notes) == memory_notes_from:   # no note said the budget is exceeded
         notes.append(f"not one sequence of {context_len} tokens fits in the KV budget")
     if activations == "int8":
         notes.append("times at the 16-bit matmul rate: int8 activations' products run at the int8 rate, "
