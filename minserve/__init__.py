@@ -8,6 +8,7 @@ and :class:`StepObserver` (``LLMEngine.add_step_observer``; :class:`LogitsRecord
 
 import logging as _logging
 import os as _os
+import typing as _typing
 
 
 def _kernels_from_checkout() -> None:
@@ -34,15 +35,38 @@ def _kernels_from_checkout() -> None:
 
 _kernels_from_checkout()
 
-from minserve.config import EngineConfig
-from minserve.engine.llm import LLM
-from minserve.engine.llm_engine import LLMEngine, StepStats
-from minserve.engine.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
-from minserve.engine.observers import LogitsRecorder, StepObserver
-from minserve.engine.scheduling_policy import SchedulingPolicy, register_scheduling_policy
-from minserve.models.registry import ModelRegistry
-from minserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from minserve.sampling_params import RequestOutputKind, SamplingParams
+from minserve import lazy as _lazy  # noqa: E402  (after the kernels' mapping above)
+
+# The public names load on first use (PEP 562): `import minserve` and the CLI's `--help` do not
+# pay for PyTorch (~1.3 s and ~200 MiB here) until an engine, a config or a request is asked for.
+# Each name's home module; `from minserve import LLM` works as an eager import would.
+_EXPORTS = {
+    "EngineConfig": "minserve.config", "LLM": "minserve.engine.llm",
+    "LLMEngine": "minserve.engine.llm_engine", "StepStats": "minserve.engine.llm_engine",
+    "LogitsProcessor": "minserve.engine.logits_processor", "BatchUpdate": "minserve.engine.logits_processor",
+    "MoveDirectionality": "minserve.engine.logits_processor",
+    "StepObserver": "minserve.engine.observers", "LogitsRecorder": "minserve.engine.observers",
+    "SchedulingPolicy": "minserve.engine.scheduling_policy",
+    "register_scheduling_policy": "minserve.engine.scheduling_policy",
+    "ModelRegistry": "minserve.models.registry",
+    "CompletionOutput": "minserve.outputs", "Logprob": "minserve.outputs",
+    "RequestMetrics": "minserve.outputs", "RequestOutput": "minserve.outputs",
+    "RequestOutputKind": "minserve.sampling_params", "SamplingParams": "minserve.sampling_params",
+}
+
+if _typing.TYPE_CHECKING:   # what static tools (type checkers, the docs' API pages) read
+    from minserve.config import EngineConfig
+    from minserve.engine.llm import LLM
+    from minserve.engine.llm_engine import LLMEngine, StepStats
+    from minserve.engine.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+    from minserve.engine.observers import LogitsRecorder, StepObserver
+    from minserve.engine.scheduling_policy import SchedulingPolicy, register_scheduling_policy
+    from minserve.models.registry import ModelRegistry
+    from minserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from minserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+__getattr__, __dir__ = _lazy.exports(globals(), _EXPORTS)
 
 # Extension points (docs/extending.md): LogitsProcessor (with BatchUpdate, MoveDirectionality),
 # the scheduling-policy registry, ModelRegistry and step observers.

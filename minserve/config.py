@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, fields
-
-import torch
+from typing import TYPE_CHECKING
 
 from minserve.paths import cache_dir  # noqa: F401  (its home is minserve/paths.py)
 from minserve.spec.config import parse_speculative_config
+
+if TYPE_CHECKING:
+    import torch
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -160,6 +162,7 @@ class EngineConfig:
             _check_int("max_model_len", self.max_model_len, 1)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of 'float32', 'bfloat16', 'float16', got {self.dtype!r}")
+        import torch   # here, not at the top: the CLI reads this module's choices without PyTorch
         if self.fp32_matmul_precision is None:
             self.fp32_matmul_precision = "high" if torch.get_float32_matmul_precision() == "high" else "highest"
         if self.fp32_matmul_precision not in FP32_MATMUL_PRECISIONS:
@@ -213,6 +216,7 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
         return getattr(torch, self.dtype)
 
     @classmethod

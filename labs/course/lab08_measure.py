@@ -203,7 +203,9 @@ def bootstrap_ci(a, b, q: float = 90, n: int = 2000, seed: int = 0, level: float
     """A percentile-bootstrap interval for (the q-th percentile of b) - (that of a), ms."""
     a, b = np.asarray(a, float), np.asarray(b, float)
     rng = np.random.default_rng(seed)
-    d = [np.percentile(rng.choice(b, len(b)), q) - np.percentile(rng.choice(a, len(a)), q) for _ in range(n)]
+    # All n resamples at once, one row each: one percentile call per side instead of 2n.
+    d = (np.percentile(rng.choice(b, (n, len(b))), q, axis=1)
+         - np.percentile(rng.choice(a, (n, len(a))), q, axis=1))
     lo, hi = np.percentile(d, [50 * (1 - level), 100 - 50 * (1 - level)])
     return float(lo), float(hi)
 

@@ -8,9 +8,21 @@
   is the optional extra ``minserve[eval]``).
 """
 
-from minserve.eval.data import Question, load_questions, load_texts
-from minserve.eval.gate import FormatResult, FormatSpec, Thresholds, parse_format, run_gate
-from minserve.eval.metrics import exact_match, greedy_agreement, mean_kl, perplexity
+from typing import TYPE_CHECKING
+
+from minserve import lazy
+
+# On first use: data.py alone (a dataset's path) must not load PyTorch, which metrics.py does.
+__getattr__, __dir__ = lazy.exports(globals(), {
+    **dict.fromkeys(("Question", "load_questions", "load_texts"), "minserve.eval.data"),
+    **dict.fromkeys(("FormatResult", "FormatSpec", "Thresholds", "parse_format", "run_gate"), "minserve.eval.gate"),
+    **dict.fromkeys(("exact_match", "greedy_agreement", "mean_kl", "perplexity"), "minserve.eval.metrics"),
+})
+
+if TYPE_CHECKING:
+    from minserve.eval.data import Question, load_questions, load_texts
+    from minserve.eval.gate import FormatResult, FormatSpec, Thresholds, parse_format, run_gate
+    from minserve.eval.metrics import exact_match, greedy_agreement, mean_kl, perplexity
 
 __all__ = ["FormatResult", "FormatSpec", "Question", "Thresholds", "exact_match", "greedy_agreement",
            "load_questions", "load_texts", "mean_kl", "parse_format", "perplexity", "run_gate"]

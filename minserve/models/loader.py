@@ -18,12 +18,14 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from minserve.config import cache_dir  # noqa: F401  (also re-exported: older imports)
 from minserve.paths import cache_entry_lock
 from minserve.models.registry import MODEL_ALIASES, ModelConfig
+
+if TYPE_CHECKING:   # PyTorch loads with the weights, not for a tokenizer or a model's path
+    import torch
 
 log = logging.getLogger("minserve")
 _DONE = ".minserve-complete"  # written last: a directory without it is an interrupted conversion
@@ -220,6 +222,7 @@ def _smollm2_tokenizer_dir() -> Path:
 def _convert_gguf(spec: dict, out: Path) -> None:
     """Dequantize the GGUF through transformers (which also undoes llama.cpp's q/k row order)
     and store plain fp32 safetensors plus the tokenizer."""
+    import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
     gguf = _gguf_path(spec)
