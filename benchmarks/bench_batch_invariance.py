@@ -5,7 +5,8 @@ A seed fixes a request's random draws, so its tokens repeat exactly when its log
 longer one; the table gives the largest difference over the alone run's top 20 log-probabilities,
 in nats, and how many prompts came out bit for bit the same. float32 differs only in the last
 bits; settings whose steps take another path by size (bfloat16 prefill tiles for int8/int4 weights,
-int8 activations between the fused C step and the PyTorch path) move more.
+int8 activations between the fused C step and the PyTorch path) move more; with
+``fused_decode=False`` int8 activations do not move at all.
 
     .venv/bin/python benchmarks/bench_batch_invariance.py [--model smollm2-135m --neighbour-tokens 300]
 """
@@ -20,8 +21,11 @@ from minserve import LLM, SamplingParams
 
 PROMPTS = ["Invent a word:", "The capital of France is", "def add(a, b):", "Once upon a time",
            "Water boils at", "List three colors:", "My favourite food is", "The quick brown fox"]
-SETTINGS = {"float32": {}, "int4": {"quantization": "int4"},
-            "int4, int8 activations": {"quantization": "int4", "quantization_config": {"activations": "int8"}}}
+A8 = {"quantization": "int4", "quantization_config": {"activations": "int8"}}
+SETTINGS = {"float32": {}, "int4": {"quantization": "int4"}, "int4, int8 activations": A8,
+            # Every step through the PyTorch path: the batch-invariant recipe (docs/engine/sampling.md).
+            "float32, fused_decode=False": {"fused_decode": False},
+            "int4, int8 activations, fused_decode=False": {**A8, "fused_decode": False}}
 
 
 def first_logprobs(llm: LLM, prompt: str, neighbour: str | None) -> dict:

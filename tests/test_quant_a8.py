@@ -372,3 +372,25 @@ def test_an_engine_with_int8_activations_keeps_tiles_and_the_same_tokens(model_d
                          sum(m.a8_tiles.numel() for m in layers if m.a8_tiles is not None))
     assert runs["auto"][0] == runs["off"][0]
     assert runs["auto"][1] == runs["off"][1] + runs["auto"][2] > runs["off"][1]
+
+
+def test_without_the_fused_step_a_request_gets_the_same_logits_in_any_batch(model_dirs):  # noqa: F811
+    """docs/engine/sampling.md (batch-invariant runs): with fused_decode=False every step runs the
+    PyTorch path, whose arithmetic per row does not depend on the rows beside it (the products per
+    row, attention per sequence, SwiGLU and RoPE in C at every row count), so int8 activations
+    round the same inputs into the same codes alone and in a crowd: a seeded request's tokens and
+    its log-probabilities come out bit for bit the same."""
+    from minserve import LLM, SamplingParams
+    llm = LLM(str(model_dirs["llama"]), quantization="int4", quantization_config={"activations": "int8"},
+              fused_decode=False, num_kv_blocks=64, block_size=16, max_model_len=256, device="cpu", seed=0,
+              enable_prefix_caching=False)
+    probe = {"prompt_token_ids": [3, 17, 99, 250, 4]}
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=12, logprobs=5, ignore_eos=True)
+    alone = llm.generate([probe], seeded, use_tqdm=False)[0].outputs[0]
+    crowd = [{"prompt_token_ids": [(7 * i) % 500 + 1 for i in range(n)]} for n in (90, 3, 40)]
+    others = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (2, 20, 6)]
+    outs = llm.generate(crowd[:1] + [probe] + crowd[1:], others[:1] + [seeded] + others[1:], use_tqdm=False)
+    together = outs[1].outputs[0]
+    assert together.token_ids == alone.token_ids
+    as_numbers = [[{t: lp.logprob for t, lp in step.items()} for step in out.logprobs] for out in (alone, together)]
+    assert as_numbers[0] == as_numbers[1]
