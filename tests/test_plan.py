@@ -1,6 +1,7 @@
 """The serving-budget planner (minserve/plan): its bytes agree exactly with what the engine allocates
 and loads, its roofline follows the stated formulas, and bad arguments are named."""
 
+import json
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from minserve.models.registry import ModelConfig
 from minserve.models.tiny import TINY_CONFIG
 from minserve.plan import DATASHEET, Hardware, get_hardware, known_hardware, plan, plans_frame, weight_bytes
 from minserve.plan import probe
+from minserve.plan.planner import model_config
 
 TINY = ModelConfig.from_hf(TINY_CONFIG)
 # Round numbers so expected times are easy to state: 1 GB/s, 1 GFLOP/s.
@@ -183,24 +185,54 @@ def test_probe_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(probe, "_MEMO", {})
     calls = []
     fake = {"memory_bytes": 8 * 2**30, "bandwidth_bytes_per_s": 20e9, "fp32_flops_per_s": 1e11,
-            "bf16_flops_per_s": 2e11, "measured_at": "now"}
+            "bf16_flops_per_s": 2e11, "w8a8_ops_per_s": 4e11, "w4a8_ops_per_s": 3e11, "measured_at": "now"}
     monkeypatch.setattr(probe, "measure", lambda: calls.append(1) or {"key": probe.machine_key(), **fake})
     hw = get_hardware("this")
     assert hw.bandwidth_bytes_per_s == 20e9 and probe.probe_path().is_file() and len(calls) == 1
+    assert (hw.a8_ops_per_s("int8"), hw.a8_ops_per_s("int4"), hw.a8_ops_per_s("bf16")) == (4e11, 3e11, None)
     monkeypatch.setattr(probe, "_MEMO", {})  # a new process: reads the file, does not measure
     assert get_hardware("this") == hw and len(calls) == 1
     get_hardware("this", remeasure=True)
     assert len(calls) == 2
+    # A file stored before the int8-activation rates were measured is measured again.
+    stored = json.loads(probe.probe_path().read_text())
+    probe.probe_path().write_text(json.dumps({k: v for k, v in stored.items() if not k.startswith("w")}))
+    monkeypatch.setattr(probe, "_MEMO", {})
+    assert get_hardware("this") == hw and len(calls) == 3
     # An unwritable cache (here: a path under a regular file) keeps the result for this process only.
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("MINSERVE_CACHE", str(tmp_path / "file" / "cache"))
-    assert get_hardware("this").bandwidth_bytes_per_s == 20e9 and len(calls) == 3
-    assert get_hardware("this") and len(calls) == 3
+    assert get_hardware("this").bandwidth_bytes_per_s == 20e9 and len(calls) == 4
+    assert get_hardware("this") and len(calls) == 4
 
 
 def test_real_probe_measures_something():
     assert probe.measure_bandwidth(nbytes=16 * 2**20, repeats=1) > 1e8
     assert probe.measure_matmul(__import__("torch").float32, n=128, repeats=1) > 1e6
+    from minserve.kernels import quant as kq
+    rates = probe.measure_a8_products(rows=64, in_features=256, out=256, repeats=1)
+    if kq.a8_isa() is None:
+        assert rates == {}   # no C loops: the engine would not run them either
+    else:
+        assert set(rates) == {"w8a8_ops_per_s", "w4a8_ops_per_s"} and min(rates.values()) > 1e8
+
+
+def test_int8_activations_products_at_their_measured_rate_and_attention_at_the_float_rate():
+    """With the probe's rate of the integer loops the compute time is the weight products at that
+    rate plus attention at the float rate; without it, everything at the float rate, with a note."""
+    import dataclasses
+    slow = Hardware("a CPU", 2**34, 1e15, 1e9, 1e9, "test", device="cpu")   # compute-bound on purpose
+    fast = dataclasses.replace(slow, w4a8_ops_per_s=4e9)
+    without, with_rate = (plan("tiny-llama", hardware=hw, precision="int4", dtype="float32", activations="int8",
+                               context_len=64) for hw in (slow, fast))
+    assert any("16-bit matmul rate" in n for n in without.notes)
+    assert not any("16-bit" in n for n in with_rate.notes) and with_rate.a8_ops_per_s == 4e9
+    cfg = model_config("tiny-llama")[1]
+    attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 64 * 65
+    products = without.prefill_s * 1e9 - attn   # everything at 1e9 ops/s before
+    assert with_rate.prefill_s == pytest.approx(products / 4e9 + attn / 1e9, rel=1e-9)
+    assert with_rate.prefill_bound == "compute" and with_rate.decode_step_s < without.decode_step_s
+    assert "int8-activation products" in dict((q, h) for q, _, h in with_rate.rows())["hardware"]
 
 
 def test_frames():

@@ -175,22 +175,27 @@ class Roofline:
     bound: str   # "memory" or "compute": which of the two times is the larger
 
     @classmethod
-    def of(cls, nbytes: int, flops: int, bandwidth: float, rate: float) -> "Roofline":
-        tm, tc = nbytes / bandwidth, flops / rate
+    def of(cls, nbytes: int, flops: int, bandwidth: float, rate: float, product_flops: int = 0,
+           product_rate: float | None = None) -> "Roofline":
+        """``product_rate``: the weight products' own rate (int8 activations' integer loops), for
+        ``product_flops`` of the ``flops``; the rest (attention) at ``rate``."""
+        tc = flops / rate if product_rate is None else product_flops / product_rate + (flops - product_flops) / rate
+        tm = nbytes / bandwidth
         return cls(max(tm, tc), nbytes, flops, "memory" if tm >= tc else "compute")
 
 
 def decode_step(cfg: ModelConfig, w_step: int, kv_per_token: int, batch: int, context_len: int,
-                bandwidth: float, rate: float) -> Roofline:
+                bandwidth: float, rate: float, product_rate: float | None = None) -> Roofline:
     matmul_p = sum(o * i for o, i in block_matrices(cfg)) + cfg.vocab_size * cfg.hidden_size
     attn = 4 * context_len * cfg.num_layers * cfg.num_heads * cfg.head_dim
     return Roofline.of(w_step + batch * context_len * kv_per_token, batch * (2 * matmul_p + attn),
-                       bandwidth, rate)
+                       bandwidth, rate, batch * 2 * matmul_p, product_rate)
 
 
 def prefill(cfg: ModelConfig, w_step: int, kv_per_token: int, prompt_len: int,
-            bandwidth: float, rate: float) -> Roofline:
+            bandwidth: float, rate: float, product_rate: float | None = None) -> Roofline:
     block_p = sum(o * i for o, i in block_matrices(cfg))
     attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * prompt_len * (prompt_len + 1)
-    flops = 2 * prompt_len * block_p + 2 * cfg.vocab_size * cfg.hidden_size + attn
-    return Roofline.of(w_step + prompt_len * kv_per_token, flops, bandwidth, rate)
+    products = 2 * prompt_len * block_p + 2 * cfg.vocab_size * cfg.hidden_size
+    return Roofline.of(w_step + prompt_len * kv_per_token, products + attn, bandwidth, rate, products,
+                       product_rate)

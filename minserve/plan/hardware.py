@@ -25,9 +25,17 @@ class Hardware:
     fp32_flops_per_s: float        # fp32 matmul rate (no TF32 on GPUs: that is not fp32 arithmetic)
     source: str                    # where the numbers come from
     device: str = "cuda"           # what the engine runs on there: the datasheets' GPUs, or "cpu"
+    # The engine's int8-activation products (W8A8, W4A8) as measured here, operations/s; None where
+    # not measured (the datasheets' GPUs: the engine has no such kernels there; no C loops here).
+    w8a8_ops_per_s: float | None = None
+    w4a8_ops_per_s: float | None = None
 
     def flops_per_s(self, compute_dtype: str) -> float:
         return self.fp32_flops_per_s if compute_dtype == "float32" else self.bf16_flops_per_s
+
+    def a8_ops_per_s(self, precision: str) -> float | None:
+        """The measured rate of int8-activation products for int8 or int4 weights, or None."""
+        return {"int8": self.w8a8_ops_per_s, "int4": self.w4a8_ops_per_s}.get(precision)
 
 
 # NVIDIA quotes memory in "GB" that are in fact binary (an "80GB" part shows 81920 MiB in

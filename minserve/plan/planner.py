@@ -51,6 +51,7 @@ class Plan:
     lm_head: str = "keep"         # int8/int4: the LM head's format ("quantize", "int8", "keep")
     activations: str = "float"    # int8/int4 on the CPU: "int8" quantizes the inputs too (W8A8, W4A8)
     a8_tile_bytes: int = 0        # of weight_bytes: the tiles int8 activations keep (budget.a8_tile_bytes)
+    a8_ops_per_s: float | None = None  # int8 activations: the products' measured rate (attention at flops_per_s)
 
     @property
     def kv_tokens(self) -> int:
@@ -72,7 +73,9 @@ class Plan:
         return [
             ("model", f"{self.model} ({self.params / 1e6:,.1f} M params)", ""),
             ("hardware", self.hardware, f"{self.bandwidth_bytes_per_s / 1e9:,.1f} GB/s, "
-                                        f"{self.flops_per_s / 1e12:,.2f} TFLOP/s ({self.dtype})"),
+                                        f"{self.flops_per_s / 1e12:,.2f} TFLOP/s ({self.dtype})"
+                                        + (f", int8-activation products {self.a8_ops_per_s / 1e12:,.2f} TOP/s"
+                                           if self.a8_ops_per_s else "")),
             ("precision", self.precision + (f", group {self.group_size}" if self.precision == "int4" else "")
              + (f", LM head {_HEAD_NAMES.get(self.lm_head, self.precision)}" if self.precision in ("int8", "int4")
                 else ""),
@@ -92,7 +95,8 @@ class Plan:
             (f"max seqs at {self.context_len:,} tokens", f"{self.max_num_seqs:,}",
              f"KV blocks // ceil({self.context_len} / {self.block_size}) = KV blocks // {self.blocks_per_seq}"),
             ("prefill (1 prompt)", f"{_time(self.prefill_s)} ({self.prefill_bound})",
-             "max(bytes / bandwidth, FLOPs / rate)"),
+             "max(bytes / bandwidth, FLOPs / rate)" if not self.a8_ops_per_s else
+             "max(bytes / bandwidth, products / int8-activation rate + attention / rate)"),
             ("decode, batch 1", f"{_time(self.decode_step_s)}, {self.decode_tok_s:,.0f} tok/s "
                                 f"({self.decode_bound})", "weights + 1 x context x KV per token"),
             (f"decode, batch {self.max_num_seqs:,}", full, "weights once + B x context x KV per token"),
@@ -157,7 +161,8 @@ def plan(model: str | Path | ModelConfig = "smollm2-135m", hardware: str | Hardw
     (engine/kv_cache.py's bytes per token, the same function the engine sizes its pool with).
     ``activations``: the int8/int4 engines' ``quantization_config["activations"]``: "float", or
     "int8" (CPU only, as the engine; the weights then count the tiles its integer loops keep,
-    ``budget.a8_tile_bytes``; the roofline still uses the 16-bit rate).
+    ``budget.a8_tile_bytes``, and the weight products run at the probe's measured rate of the
+    integer loops, attention at the float rate; without that measurement, at the 16-bit rate).
     The defaults (this machine, fp32) are what minserve runs here; for a GPU pass
     e.g. ``hardware="h100", precision="bf16"``. See :mod:`minserve.plan.budget` for the formulas."""
     name, cfg = model_config(model)
@@ -194,19 +199,21 @@ def plan(model: str | Path | ModelConfig = "smollm2-135m", hardware: str | Hardw
     seqs = blocks // per_seq
     if seqs == 0 and len(notes) == memory_notes_from:   # no note said the budget is exceeded
         notes.append(f"not one sequence of {context_len} tokens fits in the KV budget")
-    if activations == "int8":
-        notes.append("times at the 16-bit matmul rate: int8 activations' products run at the int8 rate, "
-                     "which the probe does not measure (benchmarks/bench_roofline.py does)")
+    product_rate = hw.a8_ops_per_s(precision) if activations == "int8" else None
+    if activations == "int8" and product_rate is None:
+        notes.append("times at the 16-bit matmul rate: int8 activations' products run at the rate of the "
+                     "integer loops, which the probe measures only where they are built")
     rate, bw = hw.flops_per_s(dtype), hw.bandwidth_bytes_per_s
-    pre = budget.prefill(cfg, w.per_step, kv_per_token, context_len, bw, rate)
-    one = budget.decode_step(cfg, w.per_step, kv_per_token, 1, context_len, bw, rate)
-    full = budget.decode_step(cfg, w.per_step, kv_per_token, seqs, context_len, bw, rate) if seqs else None
+    pre = budget.prefill(cfg, w.per_step, kv_per_token, context_len, bw, rate, product_rate)
+    one = budget.decode_step(cfg, w.per_step, kv_per_token, 1, context_len, bw, rate, product_rate)
+    full = (budget.decode_step(cfg, w.per_step, kv_per_token, seqs, context_len, bw, rate, product_rate)
+            if seqs else None)
     return Plan(name, hw.name, precision, dtype, group_size, block_size, context_len,
                 budget.param_count(cfg), w.resident, w.per_step, w.scales, kv_per_token, memory, kv_budget,
                 blocks, per_seq, seqs, bw, rate, pre.seconds, pre.bound, one.seconds, one.bound,
                 None if full is None else full.seconds, None if full is None else full.bound, notes,
                 kv_cache_dtype, lm_head or budget.DEFAULT_LM_HEAD.get(precision, "keep"), activations,
-                w.a8_tiles)
+                w.a8_tiles, product_rate)
 
 
 def _group_notes(cfg: ModelConfig, precision: str, group_size: int, lm_head: str | None) -> list[str]:
