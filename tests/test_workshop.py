@@ -76,7 +76,8 @@ def prepared(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setattr(probe, "measure", lambda: {"key": probe.machine_key(), "memory_bytes": 2**33,
                                           "bandwidth_bytes_per_s": 2e10, "fp32_flops_per_s": 1e11,
-                                          "bf16_flops_per_s": 1e11, "measured_at": "test"})
+                                          "bf16_flops_per_s": 1e11, "w8a8_ops_per_s": None,
+                                          "w4a8_ops_per_s": None, "measured_at": "test"})
     report = io.StringIO()
     with contextlib.redirect_stdout(report):
         assert main(["prepare", "--cache-dir", str(root), "--model", "tiny-llama"]) == 0

@@ -163,6 +163,6 @@ def this_machine(remeasure: bool = False) -> Hardware:
     hw = Hardware(f"this ({dev}, {torch.get_num_threads()} threads)", int(data["memory_bytes"]),
                   float(data["bandwidth_bytes_per_s"]), float(data["bf16_flops_per_s"]),
                   float(data["fp32_flops_per_s"]), f"measured {data['measured_at']} ({path.name})",
-                  _device(), data["w8a8_ops_per_s"], data["w4a8_ops_per_s"])
+                  _device(), data.get("w8a8_ops_per_s"), data.get("w4a8_ops_per_s"))
     _MEMO[key] = hw
     return hw
