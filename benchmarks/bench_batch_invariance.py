@@ -9,6 +9,11 @@ int8 activations between the fused C step and the PyTorch path) move more; with
 ``fused_decode=False`` int8 activations do not move at all.
 
     .venv/bin/python benchmarks/bench_batch_invariance.py [--model smollm2-135m --neighbour-tokens 300]
+    .venv/bin/python benchmarks/bench_batch_invariance.py --cost   # what the recipe costs
+
+``--cost`` times what batch invariance costs instead: SwiGLU and RoPE in C against PyTorch's at a
+few rows (the C kernels take every row count since 2026-12-07), and decode with and without the
+fused step for int4 weights with int8 activations, at batch 1 and 16 (two alternating rounds).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import time
 
 from minserve import LLM, SamplingParams
 
@@ -47,11 +53,83 @@ def measure(model: str, engine_args: dict, neighbour: str) -> dict:
     return {"max_nats": max(apart), "identical": sum(a == 0 for a in apart), "prompts": len(apart)}
 
 
+def token_ops_us(rows: int, calls: int = 2000) -> tuple[float, float]:
+    """Microseconds for one SwiGLU and one RoPE over ``rows`` SmolLM2-sized rows: C, PyTorch."""
+    import torch
+
+    from minserve.kernels import token_ops
+    gate_up, x = torch.randn(rows, 2 * 1536), torch.randn(rows, 12, 64)
+    cos, sin = torch.randn(rows, 1, 64), torch.randn(rows, 1, 64)
+
+    def c():
+        token_ops.silu_mul(gate_up, 1536)
+        token_ops.rope_(x, cos, sin)
+
+    def pytorch():
+        torch.nn.functional.silu(gate_up[:, :1536]) * gate_up[:, 1536:]
+        (x * cos) + (torch.roll(x, 32, dims=-1) * sin)
+
+    out = []
+    for fn in (c, pytorch):
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t0) / calls * 1e6)
+    return out[0], out[1]
+
+
+class _Timed:
+    """An engine as bench_vs_vllm.py's decode measurements take it: run(prompts, max_tokens)."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+
+    def run(self, prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, None]:
+        params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+        t0 = time.perf_counter()
+        self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - t0, None
+
+
+def decode_tok_s(model: str, engine_args: dict) -> tuple[float, float]:
+    """Decode tok/s at batch 1 (128 tokens) and batch 16 (64 each), prefill subtracted as
+    bench_vs_vllm.py does it."""
+    from bench_vs_vllm import decode, decode_batch
+    engine = _Timed(LLM(model, enable_prefix_caching=False, **engine_args))
+    engine.run([list(range(100, 132))], [8])   # first-step costs, untimed
+    rates = (decode(engine, list(range(100, 132)), 129),
+             decode_batch(engine, [list(range(200 + 40 * i, 232 + 40 * i)) for i in range(16)], 65))
+    del engine
+    gc.collect()
+    return rates
+
+
+def cost(model: str) -> None:
+    print("| rows | SwiGLU + RoPE in C (us) | in PyTorch (us) |")
+    print("| --- | --- | --- |")
+    for rows in (1, 4, 8, 15):
+        print("| {} | {:.1f} | {:.1f} |".format(rows, *token_ops_us(rows)))
+    runs = {"fused step": {}, "fused_decode=False": {"fused_decode": False}}
+    got = {name: [] for name in runs}
+    for _ in range(2):
+        for name, kw in runs.items():
+            got[name].append(decode_tok_s(model, {**A8, **kw}))
+    print("\n| int4, int8 activations | batch-1 decode (tok/s) | batch-16 decode (tok/s) |")
+    print("| --- | --- | --- |")
+    for name, rates in got.items():
+        b1, b16 = sorted(r[0] for r in rates), sorted(r[1] for r in rates)
+        print(f"| {name} | {b1[0]:.0f}-{b1[-1]:.0f} | {b16[0]:.0f}-{b16[-1]:.0f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--neighbour-tokens", type=int, default=300, help="words in the prompt beside each one (enough for a step of 256 tokens or more)")
+    ap.add_argument("--cost", action="store_true", help="time the batch-invariant recipe's cost instead")
     args = ap.parse_args()
+    if args.cost:
+        return cost(args.model)
     neighbour = "x " * args.neighbour_tokens
     rows = {name: measure(args.model, kw, neighbour) for name, kw in SETTINGS.items()}
     print("| setting | largest difference (nats, top 20) | prompts bit for bit the same |")

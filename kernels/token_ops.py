@@ -11,7 +11,8 @@ exp, no fused multiply-adds), so a threshold on rows made a request's bits depen
 its step — a short prompt alone took PyTorch's SwiGLU and RoPE, the same prompt beside another
 the C ones, and with int8 activations those last-bit differences round into other codes
 (docs/engine/sampling.md, batch-invariant runs). Under 16 rows a call costs about what PyTorch's
-does (17 against 15 us at one row, 27 against 38 at 15, 2026-12-07).
+does (SwiGLU + RoPE: 17.8-30.6 against 15.4-27.8 us at one row, 25.8-40.2 against 33.3-54.5 at
+15; two runs of ``benchmarks/bench_batch_invariance.py --cost``, 2026-12-07).
 ``MINSERVE_TOKEN_OPS=torch`` turns them off; ``=c`` (the default) uses them where they apply.
 """
 

@@ -37,9 +37,7 @@ _kernels_from_checkout()
 
 from minserve import lazy as _lazy  # noqa: E402  (after the kernels' mapping above)
 
-# The public names load on first use (PEP 562): `import minserve` and the CLI's `--help` do not
-# pay for PyTorch (~1.3 s and ~200 MiB here) until an engine, a config or a request is asked for.
-# Each name's home module; `from minserve import LLM` works as an eager import would.
+# The public names and their home modules, imported on first use (minserve/lazy.py says why).
 _EXPORTS = {
     "EngineConfig": "minserve.config", "LLM": "minserve.engine.llm",
     "LLMEngine": "minserve.engine.llm_engine", "StepStats": "minserve.engine.llm_engine",

@@ -1,7 +1,7 @@
 """Names a package re-exports, imported on first use (PEP 562).
 
-``minserve`` and ``minserve.eval`` re-export their public classes from the modules that define
-them; importing those modules eagerly would load PyTorch (~1.3 s, ~200 MiB here) for every
+``minserve``, ``minserve.eval`` and ``minserve.models`` re-export public names from the modules that define
+them; importing those modules eagerly would load PyTorch (seconds and hundreds of MB) for every
 ``minserve --help``, ``minserve bench`` against a vLLM server, or anything that only reads a
 dataset path. A package lists ``{name: home module}`` and hands this module's two functions to
 Python::
