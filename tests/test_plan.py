@@ -12,6 +12,7 @@ from minserve.models.registry import ModelConfig
 from minserve.models.tiny import TINY_CONFIG
 from minserve.plan import DATASHEET, Hardware, get_hardware, known_hardware, plan, plans_frame, weight_bytes
 from minserve.plan import probe
+from minserve.plan.budget import block_matrices
 from minserve.plan.planner import model_config
 
 TINY = ModelConfig.from_hf(TINY_CONFIG)
@@ -233,6 +234,33 @@ def test_int8_activations_products_at_their_measured_rate_and_attention_at_the_f
     assert with_rate.prefill_s == pytest.approx(products / 4e9 + attn / 1e9, rel=1e-9)
     assert with_rate.prefill_bound == "compute" and with_rate.decode_step_s < without.decode_step_s
     assert "int8-activation products" in dict((q, h) for q, _, h in with_rate.rows())["hardware"]
+
+
+def test_a_cpu_plan_of_int_weights_defaults_to_the_engines_float32_activations():
+    """On a CPU the engine runs int8/int4 weights with float32 activations and K/V unless told
+    otherwise; a plan without ``dtype`` must size the KV pool as that engine does (bf16 K/V would
+    promise twice the sequences). On a GPU datasheet bf16 stays the default."""
+    eng = LLM("tiny-llama", quantization="int4", kv_cache_memory="3MiB", device="cpu").llm_engine
+    cpu = Hardware("a CPU", 2**34, 1e10, 1e11, 1e11, "test", device="cpu")
+    p = plan("tiny-llama", hardware=cpu, precision="int4", kv_cache_memory="3MiB")
+    assert p.dtype == "float32" and p.kv_bytes_per_token == eng.kv_spec.bytes_per_token
+    assert p.num_kv_blocks == eng.kv_spec.num_blocks and p.weight_bytes_per_step == eng.runner.weight_bytes()
+    assert plan("tiny-llama", hardware="h100", precision="int4").dtype == "bfloat16"
+
+
+def test_a_dense_lm_head_beside_int8_activations_runs_at_the_float_rate():
+    """``lm_head="keep"`` leaves the head's inputs in float: its product is timed at the float rate,
+    the block products at the integer loops' rate."""
+    import dataclasses
+    fast = dataclasses.replace(Hardware("a CPU", 2**34, 1e15, 1e9, 1e9, "test", device="cpu"),
+                               w4a8_ops_per_s=4e9)
+    cfg = model_config("tiny-llama")[1]
+    block = 2 * 64 * sum(o * i for o, i in block_matrices(cfg))
+    head, attn = 2 * cfg.vocab_size * cfg.hidden_size, 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 64 * 65
+    times = {h: plan("tiny-llama", hardware=fast, precision="int4", activations="int8", lm_head=h,
+                     context_len=64).prefill_s for h in ("keep", "int8")}
+    assert times["keep"] == pytest.approx(block / 4e9 + (head + attn) / 1e9, rel=1e-9)
+    assert times["int8"] == pytest.approx((block + head) / 4e9 + attn / 1e9, rel=1e-9)
 
 
 def test_frames():

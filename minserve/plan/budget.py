@@ -48,8 +48,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GROUP_SIZES = (32, 64, 128)
 
 
-def normalize_precision(precision: str, dtype: str | None) -> tuple[str, str]:
-    """(precision, activation dtype); float precisions fix the dtype, int ones default to bf16."""
+def normalize_precision(precision: str, dtype: str | None, int_dtype: str = "bfloat16") -> tuple[str, str]:
+    """(precision, activation dtype); float precisions fix the dtype, int ones default to
+    ``int_dtype`` (the planner passes float32 for a CPU: what the engine runs there by default)."""
     p = _PRECISION_ALIASES.get(str(precision).lower(), str(precision).lower())
     if p not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -60,7 +61,7 @@ def normalize_precision(precision: str, dtype: str | None) -> tuple[str, str]:
             raise ValueError(f"dtype={dtype!r} contradicts precision={p!r} (its dtype is {_FLOAT_DTYPE[p]!r}); "
                              "dtype is only a choice for int8/int4")
         return p, _FLOAT_DTYPE[p]
-    return p, dtype or "bfloat16"
+    return p, dtype or int_dtype
 
 
 def block_matrices(cfg: ModelConfig) -> list[tuple[int, int]]:
@@ -185,17 +186,23 @@ class Roofline:
 
 
 def decode_step(cfg: ModelConfig, w_step: int, kv_per_token: int, batch: int, context_len: int,
-                bandwidth: float, rate: float, product_rate: float | None = None) -> Roofline:
-    matmul_p = sum(o * i for o, i in block_matrices(cfg)) + cfg.vocab_size * cfg.hidden_size
+                bandwidth: float, rate: float, product_rate: float | None = None,
+                head_at_product_rate: bool = True) -> Roofline:
+    """``head_at_product_rate``: with ``product_rate``, whether the LM head is one of those products
+    (False: a float head, e.g. int8 activations with ``lm_head="keep"``, runs at ``rate``)."""
+    block_p, head_p = sum(o * i for o, i in block_matrices(cfg)), cfg.vocab_size * cfg.hidden_size
     attn = 4 * context_len * cfg.num_layers * cfg.num_heads * cfg.head_dim
-    return Roofline.of(w_step + batch * context_len * kv_per_token, batch * (2 * matmul_p + attn),
-                       bandwidth, rate, batch * 2 * matmul_p, product_rate)
+    products = batch * 2 * (block_p + (head_p if head_at_product_rate else 0))
+    return Roofline.of(w_step + batch * context_len * kv_per_token, batch * (2 * (block_p + head_p) + attn),
+                       bandwidth, rate, products, product_rate)
 
 
 def prefill(cfg: ModelConfig, w_step: int, kv_per_token: int, prompt_len: int,
-            bandwidth: float, rate: float, product_rate: float | None = None) -> Roofline:
-    block_p = sum(o * i for o, i in block_matrices(cfg))
+            bandwidth: float, rate: float, product_rate: float | None = None,
+            head_at_product_rate: bool = True) -> Roofline:
+    """One prompt's roofline; ``head_at_product_rate`` as in :func:`decode_step`."""
+    block_p, head_p = sum(o * i for o, i in block_matrices(cfg)), cfg.vocab_size * cfg.hidden_size
     attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * prompt_len * (prompt_len + 1)
-    products = 2 * prompt_len * block_p + 2 * cfg.vocab_size * cfg.hidden_size
-    return Roofline.of(w_step + prompt_len * kv_per_token, products + attn, bandwidth, rate, products,
-                       product_rate)
+    products = 2 * prompt_len * block_p + (2 * head_p if head_at_product_rate else 0)
+    return Roofline.of(w_step + prompt_len * kv_per_token, 2 * prompt_len * block_p + 2 * head_p + attn,
+                       bandwidth, rate, products, product_rate)

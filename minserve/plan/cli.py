@@ -23,7 +23,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--list-hardware", action="store_true", help="list the known hardware and exit")
     ap.add_argument("--context-len", type=int, help="tokens per sequence (default: min(4096, the model's))")
     ap.add_argument("--precision", default="fp32", help=f"weights: {', '.join(PRECISIONS)} (default fp32)")
-    ap.add_argument("--dtype", help="activation dtype for int8/int4 (default bfloat16)")
+    ap.add_argument("--dtype", help="activation dtype for int8/int4 (default: float32 on a CPU, as the engine; bfloat16 on a GPU)")
     ap.add_argument("--group-size", type=int, default=32, help=f"int4 group size: {GROUP_SIZES} (default 32, "
                     "the engine's)")
     ap.add_argument("--lm-head", choices=("quantize", "int8", "keep"), default=None,

@@ -151,9 +151,10 @@ def plan(model: str | Path | ModelConfig = "smollm2-135m", hardware: str | Hardw
     ``memory_budget`` (bytes or ``"80GiB"``; default: the hardware's memory) holds the weights and
     the KV cache; ``kv_cache_memory`` instead fixes the KV budget itself, as the engine's argument
     of that name does. ``precision`` is fp32, bf16, fp16, int8 or int4; ``dtype`` the activation
-    dtype of int8/int4 (default bfloat16); ``group_size`` that of int4 (default 32, the engine's; a
-    layer it does not divide is planned at the largest size that does, with a note: the engine
-    needs ``quantization_config={"fallback": True}`` for that); ``lm_head`` the engine's LM head
+    dtype of int8/int4 (default: float32 on a CPU, what the engine runs there; bfloat16 on a GPU);
+    ``group_size`` that of int4 (default 32, the engine's; a layer it does not divide is planned at
+    the largest size that does, with a note: the engine needs
+    ``quantization_config={"fallback": True}`` for that); ``lm_head`` the engine's LM head
     policy: "quantize", "int8" (int4 only) or "keep" (None: its default, an int8 head;
     minserve/quant/schemes.py).
     ``context_len`` defaults to the model's context length,
@@ -167,7 +168,10 @@ def plan(model: str | Path | ModelConfig = "smollm2-135m", hardware: str | Hardw
     e.g. ``hardware="h100", precision="bf16"``. See :mod:`minserve.plan.budget` for the formulas."""
     name, cfg = model_config(model)
     hw = get_hardware(hardware)
-    precision, dtype = budget.normalize_precision(precision, dtype)
+    # int8/int4 activations: float32 on a CPU, as the engine runs them there by default (its K/V
+    # then takes 4 bytes an element, not bf16's 2: the sequences that fit halve); bf16 on a GPU.
+    precision, dtype = budget.normalize_precision(precision, dtype,
+                                                  "float32" if hw.device == "cpu" else "bfloat16")
     _check_int("block_size", block_size, 1, 256)
     if context_len is None:
         context_len = min(4096, cfg.max_position_embeddings)
@@ -204,15 +208,16 @@ def plan(model: str | Path | ModelConfig = "smollm2-135m", hardware: str | Hardw
         notes.append("times at the 16-bit matmul rate: int8 activations' products run at the rate of the "
                      "integer loops, which the probe measures only where they are built")
     rate, bw = hw.flops_per_s(dtype), hw.bandwidth_bytes_per_s
-    pre = budget.prefill(cfg, w.per_step, kv_per_token, context_len, bw, rate, product_rate)
-    one = budget.decode_step(cfg, w.per_step, kv_per_token, 1, context_len, bw, rate, product_rate)
-    full = (budget.decode_step(cfg, w.per_step, kv_per_token, seqs, context_len, bw, rate, product_rate)
-            if seqs else None)
+    head = lm_head or budget.DEFAULT_LM_HEAD.get(precision, "keep")
+    roof = dict(bandwidth=bw, rate=rate, product_rate=product_rate, head_at_product_rate=head != "keep")
+    pre = budget.prefill(cfg, w.per_step, kv_per_token, context_len, **roof)
+    one = budget.decode_step(cfg, w.per_step, kv_per_token, 1, context_len, **roof)
+    full = budget.decode_step(cfg, w.per_step, kv_per_token, seqs, context_len, **roof) if seqs else None
     return Plan(name, hw.name, precision, dtype, group_size, block_size, context_len,
                 budget.param_count(cfg), w.resident, w.per_step, w.scales, kv_per_token, memory, kv_budget,
                 blocks, per_seq, seqs, bw, rate, pre.seconds, pre.bound, one.seconds, one.bound,
                 None if full is None else full.seconds, None if full is None else full.bound, notes,
-                kv_cache_dtype, lm_head or budget.DEFAULT_LM_HEAD.get(precision, "keep"), activations,
+                kv_cache_dtype, head, activations,
                 w.a8_tiles, product_rate)
 
 
