@@ -6,14 +6,22 @@ longer one; the table gives the largest difference over the alone run's top 20 l
 in nats, and how many prompts came out bit for bit the same. float32 differs only in the last
 bits; settings whose steps take another path by size (bfloat16 prefill tiles for int8/int4 weights,
 int8 activations between the fused C step and the PyTorch path) move more; with
-``fused_decode=False`` int8 activations do not move at all.
+``fused_decode=False`` int8 activations do not move in this test.
+
+A second table is the harder case: a seeded request of 150 prompt tokens and 60 sampled ones alone
+on one engine, then on a fresh one behind a request that shares its first 70 tokens (a prefix-cache
+hit), beside others, in a KV pool small enough that it is preempted and with a token budget that
+cuts its prompt elsewhere. There ``fused_decode=False`` is not enough (its chunks of under 16
+queries take another attention kernel); ``batch_invariant=True`` is (minserve/engine/
+batch_invariance.py).
 
     .venv/bin/python benchmarks/bench_batch_invariance.py [--model smollm2-135m --neighbour-tokens 300]
     .venv/bin/python benchmarks/bench_batch_invariance.py --cost   # what the recipe costs
 
 ``--cost`` times what batch invariance costs instead: SwiGLU and RoPE in C against PyTorch's at a
-few rows (the C kernels take every row count since 2026-12-07), and decode with and without the
-fused step for int4 weights with int8 activations, at batch 1 and 16 (two alternating rounds).
+few rows (the C kernels take every row count since 2026-12-07), and decode with the fused step,
+without it, and in the batch-invariant mode for int4 weights with int8 activations, at batch 1 and
+16 (two alternating rounds).
 """
 
 from __future__ import annotations
@@ -31,7 +39,11 @@ A8 = {"quantization": "int4", "quantization_config": {"activations": "int8"}}
 SETTINGS = {"float32": {}, "int4": {"quantization": "int4"}, "int4, int8 activations": A8,
             # Every step through the PyTorch path: the batch-invariant recipe (docs/engine/sampling.md).
             "float32, fused_decode=False": {"fused_decode": False},
-            "int4, int8 activations, fused_decode=False": {**A8, "fused_decode": False}}
+            "int4, int8 activations, fused_decode=False": {**A8, "fused_decode": False},
+            "int4, int8 activations, batch_invariant=True": {**A8, "batch_invariant": True}}
+CROWD_SETTINGS = {name: SETTINGS[name] for name in ("int4, int8 activations",
+                                                    "int4, int8 activations, fused_decode=False",
+                                                    "int4, int8 activations, batch_invariant=True")}
 
 
 def first_logprobs(llm: LLM, prompt: str, neighbour: str | None) -> dict:
@@ -51,6 +63,29 @@ def measure(model: str, engine_args: dict, neighbour: str) -> dict:
     del llm
     gc.collect()
     return {"max_nats": max(apart), "identical": sum(a == 0 for a in apart), "prompts": len(apart)}
+
+
+def crowd(model: str, engine_args: dict) -> dict:
+    """The second table's run (see the top): the seeded request alone, then in the crowd."""
+    mk = lambda: LLM(model, max_num_seqs=6, num_kv_blocks=36, block_size=16, max_num_batched_tokens=48,  # noqa: E731
+                     enable_prefix_caching=True, kv_cache_dtype="int8", **engine_args)
+    llm = mk()
+    text = llm.get_tokenizer().encode("Once upon a time in a small village by the sea, there lived an old "
+                                      "fisherman who " * 6)
+    prompt, seeded = text[:150], SamplingParams(temperature=1.0, seed=11, max_tokens=60, logprobs=5)
+    alone = llm.generate([{"prompt_token_ids": prompt}], seeded, use_tqdm=False)[0].outputs[0]
+    del llm
+    llm = mk()
+    others = [text[:70] + list(range(900, 940))] + [list(range(1000 + 50 * i, 1030 + 70 * i)) for i in range(4)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in others + [prompt]],
+                        [SamplingParams(max_tokens=120, ignore_eos=True)] * 5 + [seeded], use_tqdm=False)
+    together = outs[-1].outputs[0]
+    apart = max(abs(a[t].logprob - b[t].logprob) for a, b in zip(alone.logprobs, together.logprobs)
+                for t in a if t in b)
+    preempted = int(llm.llm_engine.requests_frame().num_preemptions.iloc[-1])
+    del llm
+    gc.collect()
+    return {"max_nats": apart, "same_tokens": alone.token_ids == together.token_ids, "preempted": preempted}
 
 
 def token_ops_us(rows: int, calls: int = 2000) -> tuple[float, float]:
@@ -110,7 +145,8 @@ def cost(model: str) -> None:
     print("| --- | --- | --- |")
     for rows in (1, 4, 8, 15):
         print("| {} | {:.1f} | {:.1f} |".format(rows, *token_ops_us(rows)))
-    runs = {"fused step": {}, "fused_decode=False": {"fused_decode": False}}
+    runs = {"fused step": {}, "fused_decode=False": {"fused_decode": False},
+            "batch_invariant=True": {"batch_invariant": True}}
     got = {name: [] for name in runs}
     for _ in range(2):
         for name, kw in runs.items():
@@ -136,7 +172,12 @@ def main() -> None:
     print("| --- | --- | --- |")
     for name, r in rows.items():
         print(f"| {name} | {r['max_nats']:.2g} | {r['identical']} of {r['prompts']} |")
-    print(json.dumps(rows))
+    crowds = {name: crowd(args.model, kw) for name, kw in CROWD_SETTINGS.items()}
+    print("\n| setting | a crowd that cuts, shares and preempts: largest difference (nats) | same 60 tokens | preempted |")
+    print("| --- | --- | --- | --- |")
+    for name, r in crowds.items():
+        print(f"| {name} | {r['max_nats']:.2g} | {'yes' if r['same_tokens'] else 'no'} | {r['preempted']} |")
+    print(json.dumps({"first_token": rows, "crowd": crowds}))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,10 @@
  * Work items: one kv head x QUERY_BLOCK positions, all of that kv head's query heads together, so
  * a packed key block serves them all. Items are dealt dynamically: under a causal mask the later
  * query blocks see more keys.
+ *
+ * A second entry, ms_prefill_attention_paged (at the end), reads the keys and values from the paged
+ * KV cache itself, for several sequences and any number of queries: the batch-invariant mode's
+ * attention, since a row's bits here depend on nothing but its own query and keys.
  */
 #define _POSIX_C_SOURCE 200112L   /* posix_memalign under -std=c11 */
 #define _DEFAULT_SOURCE           /* syscall (amx_bf16.h asks Linux for the AMX tile state) */
@@ -97,6 +101,7 @@ typedef struct {   /* one thread's buffers for a work item: rows = group * QUERY
     float *p;      /* [rows, KEY_BLOCK] scores, then probabilities */
     float *o;      /* [rows, D] running output */
     float *m, *l, *alpha;   /* [rows] running max, running sum, this block's rescale */
+    float *tk, *tv;         /* a paged key block: keys transposed [D, KEY_BLOCK], values [KEY_BLOCK, D] */
 } Buffers;
 
 /* The softmax works at the register's width too: 16 floats with AVX-512, 8 with AVX2, where 16-float
@@ -140,11 +145,12 @@ static inline float hmax(svec v) {
  * ms for 1024 positions, 9 heads, one thread), most of it vexp; with the mask-free rows, the
  * vector hmax and vmath.h's rounding by addition: 26.5 -> 24.7 ms at two threads, 51.9 -> 49.0 at
  * one (medians of 12 alternating rounds). */
-static void softmax_block(Buffers *b, int64_t rows, int64_t first_pos, int64_t key0, int64_t nk) {
+static void softmax_block(Buffers *b, int64_t rows, int64_t per_head, int64_t first_pos, int64_t key0,
+                          int64_t nk) {
     const sivec lane = SVEC_LANE_IDS;
     for (int64_t r = 0; r < rows; r++) {
         svec *s = (svec *)(b->p + r * KEY_BLOCK);
-        int64_t pos = first_pos + r % QUERY_BLOCK;
+        int64_t pos = first_pos + r % per_head;
         int64_t visible = pos - key0 + 1 < nk ? pos - key0 + 1 : nk;   /* keys this row may see */
         if (visible <= 0) {   /* the whole block is in this row's future */
             memset(s, 0, KEY_BLOCK * sizeof(float));
@@ -182,33 +188,73 @@ static void softmax_block(Buffers *b, int64_t rows, int64_t first_pos, int64_t k
     }
 }
 
-/* One work item: kv head kvh, positions q_offset + t0 .. + QUERY_BLOCK - 1 of query heads
- * kvh * G .. kvh * G + G - 1. kt: the keys transposed, [Hkv, D, ldkt]. */
-static void attend_item(const float *q, const float *kt, int64_t ldkt, const float *v, float *out,
-                        int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t q_offset, float scale,
-                        int64_t kvh, int64_t t0, Buffers *b) {
+/* Where a work item reads its keys and values: either laid out for the whole call (kt: the keys
+ * transposed [Hkv, D, ldkt]; v: [L, Hkv, D]), or (paged != NULL) straight from the paged KV cache, a
+ * key block at a time into the thread's tiles, the same floats either way. */
+typedef struct {
+    const float *kt, *v;
+    int64_t ldkt;
+    const void *k_cache, *v_cache;   /* paged: [blocks, block_size, Hkv, D], float32 or int8 codes */
+    const float *k_scales, *v_scales;   /* int8: [blocks, block_size, Hkv] */
+    const int64_t *paged;            /* paged: the sequence's block table (NULL: kt and v above) */
+    int64_t block_size, kv_int8;
+} KeySource;
+
+/* Keys key0 .. key0 + nk - 1 of kv head kvh from the paged cache: transposed into tk [D, KEY_BLOCK]
+ * (columns past nk zero, as kt's past L) and rows into tv [KEY_BLOCK, D]; an int8 code times its
+ * scale is one float32 rounding, as PyTorch's dequantization. */
+static void paged_key_block(const KeySource *ks, int64_t Hkv, int64_t D, int64_t kvh, int64_t key0,
+                            int64_t nk, float *tk, float *tv) {
+    for (int64_t j = 0; j < nk; j++) {
+        int64_t t = key0 + j, slot = ks->paged[t / ks->block_size] * ks->block_size + t % ks->block_size;
+        int64_t at = (slot * Hkv + kvh) * D;
+        if (ks->kv_int8) {
+            const int8_t *kc = (const int8_t *)ks->k_cache + at, *vc = (const int8_t *)ks->v_cache + at;
+            float sk = ks->k_scales[slot * Hkv + kvh], sv = ks->v_scales[slot * Hkv + kvh];
+            for (int64_t d = 0; d < D; d++) tk[d * KEY_BLOCK + j] = (float)kc[d] * sk, tv[j * D + d] = (float)vc[d] * sv;
+        } else {
+            const float *kc = (const float *)ks->k_cache + at, *vc = (const float *)ks->v_cache + at;
+            for (int64_t d = 0; d < D; d++) tk[d * KEY_BLOCK + j] = kc[d];
+            memcpy(tv + j * D, vc, D * sizeof(float));
+        }
+    }
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t j = nk; j < KEY_BLOCK; j++) tk[d * KEY_BLOCK + j] = 0.0f;
+}
+
+/* One work item: kv head kvh, positions q_offset + t0 .. + nq - 1 (nq <= QUERY_BLOCK) of query
+ * heads kvh * G .. kvh * G + G - 1, as rows g * nq + i. Only the item's own rows are computed (a
+ * chunk of one query costs one row, not QUERY_BLOCK), and each row's arithmetic is the same
+ * whatever the other rows are and wherever its keys were read from. */
+static void attend_item(const float *q, const KeySource *ks, float *out, int64_t T, int64_t H,
+                        int64_t Hkv, int64_t D, int64_t q_offset, float scale, int64_t kvh, int64_t t0,
+                        Buffers *b) {
     int64_t G = H / Hkv, nq = T - t0 < QUERY_BLOCK ? T - t0 : QUERY_BLOCK;
-    int64_t rows = G * QUERY_BLOCK, first_pos = q_offset + t0, last_pos = first_pos + nq - 1;
-    for (int64_t g = 0; g < G; g++)          /* rows g * QUERY_BLOCK + i: head kvh * G + g */
-        for (int64_t i = 0; i < QUERY_BLOCK; i++) {
-            float *dst = b->q + (g * QUERY_BLOCK + i) * D;
-            const float *src = q + ((t0 + (i < nq ? i : 0)) * H + kvh * G + g) * D;
-            for (int64_t d = 0; d < D; d++) dst[d] = src[d] * scale;   /* past T: a copy, unused */
+    int64_t rows = G * nq, first_pos = q_offset + t0, last_pos = first_pos + nq - 1;
+    for (int64_t g = 0; g < G; g++)          /* rows g * nq + i: head kvh * G + g */
+        for (int64_t i = 0; i < nq; i++) {
+            float *dst = b->q + (g * nq + i) * D;
+            const float *src = q + ((t0 + i) * H + kvh * G + g) * D;
+            for (int64_t d = 0; d < D; d++) dst[d] = src[d] * scale;
         }
     for (int64_t r = 0; r < rows; r++) b->m[r] = -INFINITY, b->l[r] = 0.0f;
     memset(b->o, 0, rows * D * sizeof(float));
-    int64_t ldkv = Hkv * D;
     for (int64_t key0 = 0; key0 <= last_pos; key0 += KEY_BLOCK) {
         int64_t nk = last_pos + 1 - key0 < KEY_BLOCK ? last_pos + 1 - key0 : KEY_BLOCK;
-        product_rows(b->q, D, kt + kvh * D * ldkt + key0, ldkt, D, rows, b->p, KEY_BLOCK, NULL);
-        softmax_block(b, rows, first_pos, key0, nk);
+        const float *kb = ks->kt + kvh * D * ks->ldkt + key0, *vb = ks->v + key0 * Hkv * D + kvh * D;
+        int64_t ldk = ks->ldkt, ldv = Hkv * D;
+        if (ks->paged) {
+            paged_key_block(ks, Hkv, D, kvh, key0, nk, b->tk, b->tv);
+            kb = b->tk, ldk = KEY_BLOCK, vb = b->tv, ldv = D;
+        }
+        product_rows(b->q, D, kb, ldk, D, rows, b->p, KEY_BLOCK, NULL);
+        softmax_block(b, rows, nq, first_pos, key0, nk);
         for (int64_t c = 0; c < D; c += 64)  /* o = o * alpha + p @ v, 64 output columns at a time */
-            product_rows(b->p, KEY_BLOCK, v + key0 * ldkv + kvh * D + c, ldkv, nk, rows, b->o + c, D,
-                         b->alpha);
+            product_rows(b->p, KEY_BLOCK, vb + c, ldv, nk, rows, b->o + c, D, b->alpha);
     }
     for (int64_t g = 0; g < G; g++)
         for (int64_t i = 0; i < nq; i++) {
-            int64_t r = g * QUERY_BLOCK + i;
+            int64_t r = g * nq + i;
             float inv = 1.0f / b->l[r];
             float *dst = out + ((t0 + i) * H + kvh * G + g) * D;
             for (int64_t d = 0; d < D; d++) dst[d] = b->o[r * D + d] * inv;
@@ -217,7 +263,7 @@ static void attend_item(const float *q, const float *kt, int64_t ldkt, const flo
 
 static int alloc_buffers(Buffers *b, int64_t G, int64_t D) {
     int64_t rows = G * QUERY_BLOCK;
-    size_t floats = (size_t)(2 * rows * D + rows * KEY_BLOCK + 3 * rows);
+    size_t floats = (size_t)(2 * rows * D + rows * KEY_BLOCK + 3 * rows + 2 * KEY_BLOCK * D + 16);
     void *mem = NULL;
     if (posix_memalign(&mem, 64, floats * sizeof(float))) return 0;
     float *f = mem;
@@ -226,7 +272,9 @@ static int alloc_buffers(Buffers *b, int64_t G, int64_t D) {
     b->p = f; f += rows * KEY_BLOCK;
     b->m = f; f += rows;
     b->l = f; f += rows;
-    b->alpha = f;
+    b->alpha = f; f += rows;
+    b->tk = f + (16 - (f - (float *)mem) % 16) % 16;   /* 64-byte aligned: read as vectors */
+    b->tv = b->tk + KEY_BLOCK * D;
     return 1;
 }
 
@@ -265,12 +313,93 @@ int64_t ms_prefill_attention(const float *q, const float *k, const float *v, flo
         #pragma omp for schedule(dynamic, 1) nowait
         for (int64_t it = 0; it < items; it++) {
             int64_t block = blocks - 1 - it / Hkv, kvh = it % Hkv;
-            if (ok)
-                attend_item(q, kt, ldkt, v, out, T, H, Hkv, D, q_offset, scale, kvh,
-                            block * QUERY_BLOCK, &b);
+            KeySource ks = {.kt = kt, .v = v, .ldkt = ldkt};
+            if (ok) attend_item(q, &ks, out, T, H, Hkv, D, q_offset, scale, kvh, block * QUERY_BLOCK, &b);
         }
         if (ok) free(b.q);
     }
     free(kt);
+    return failed ? -2 : 0;
+}
+
+
+/* The same attention for a group of sequences whose keys and values lie in the paged KV cache
+ * ([blocks, block_size, Hkv, D], float32, or int8 codes with float32 scales [blocks, block_size,
+ * Hkv]): sequence i's T queries q[i * T .. i * T + T - 1] sit at positions context_lens[i] ..
+ * context_lens[i] + T - 1 and see keys 0 .. their own position through block table
+ * tables[i * table_stride ..]. Any T >= 1.
+ *
+ * Why: a row's arithmetic above does not depend on the other rows of its call nor on where its keys
+ * were read from, so a token computed here gets the same bits in a chunk of 1, 6 or 500 queries,
+ * beside any other sequences, as through ms_prefill_attention. The engine's batch-invariant mode
+ * sends every row here. Chunks of one query block (decode rows, short chunks) read their keys a
+ * block at a time into the thread's tiles; longer ones gather the sequence once, keys transposed,
+ * as ms_prefill_attention's callers lay them out, since every query block reads them all. */
+int64_t ms_prefill_attention_paged(const float *q, const void *k_cache, const void *v_cache,
+                                   const float *k_scales, const float *v_scales, int64_t kv_int8,
+                                   int64_t block_size, const int64_t *tables, int64_t table_stride,
+                                   const int64_t *context_lens, int64_t n, int64_t T, int64_t H,
+                                   int64_t Hkv, int64_t D, float scale, float *out, int64_t nthreads) {
+    if (n < 1 || T < 1 || Hkv < 1 || H % Hkv || H / Hkv > MAX_GROUP || D < 64 || D % 64 || block_size < 1
+        || (kv_int8 && (!k_scales || !v_scales)))
+        return -1;
+    for (int64_t i = 0; i < n; i++)
+        if (context_lens[i] < 0) return -1;
+    int64_t blocks = (T + QUERY_BLOCK - 1) / QUERY_BLOCK, items = n * Hkv * blocks, failed = 0;
+    int gather = blocks > 1;   /* several query blocks read every key: lay them out once */
+    int64_t *kt_at = malloc((size_t)(2 * n + 2) * sizeof(int64_t)), *v_at = kt_at + n + 1;
+    if (!kt_at) return -2;
+    kt_at[0] = v_at[0] = 0;    /* where each sequence's transposed keys and gathered values start */
+    for (int64_t i = 0; i < n; i++) {
+        int64_t L = context_lens[i] + T, ldkt = (L + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
+        kt_at[i + 1] = kt_at[i] + (gather ? Hkv * D * ldkt : 0);
+        v_at[i + 1] = v_at[i] + (gather ? L * Hkv * D : 0);
+    }
+    float *kt = NULL, *vg = NULL;
+    if (gather && (posix_memalign((void **)&kt, 64, (size_t)kt_at[n] * sizeof(float))
+                   || posix_memalign((void **)&vg, 64, (size_t)v_at[n] * sizeof(float)))) {
+        free(kt), free(kt_at);
+        return -2;
+    }
+    int nt = nthreads > 0 ? (int)nthreads : omp_get_max_threads();
+    #pragma omp parallel num_threads(nt) reduction(+ : failed)
+    {
+        Buffers b = {0};
+        int ok = alloc_buffers(&b, H / Hkv, D);
+        failed += !ok;
+        if (gather) {
+            #pragma omp for schedule(static)
+            for (int64_t ih = 0; ih < n * Hkv; ih++) {   /* one sequence's kv head, a key block at a time */
+                int64_t i = ih / Hkv, h = ih % Hkv, L = context_lens[i] + T;
+                int64_t ldkt = (kt_at[i + 1] - kt_at[i]) / (Hkv * D);
+                KeySource src = {.k_cache = k_cache, .v_cache = v_cache, .k_scales = k_scales,
+                                 .v_scales = v_scales, .paged = tables + i * table_stride,
+                                 .block_size = block_size, .kv_int8 = kv_int8};
+                float *ktr = kt + kt_at[i] + h * D * ldkt, *vr = vg + v_at[i] + h * D;
+                for (int64_t key0 = 0; ok && key0 < ldkt; key0 += KEY_BLOCK) {
+                    int64_t nk = L - key0 < KEY_BLOCK ? L - key0 : KEY_BLOCK;
+                    paged_key_block(&src, Hkv, D, h, key0, nk, b.tk, b.tv);
+                    for (int64_t d = 0; d < D; d++)
+                        memcpy(ktr + d * ldkt + key0, b.tk + d * KEY_BLOCK, KEY_BLOCK * sizeof(float));
+                    for (int64_t j = 0; j < nk; j++)
+                        memcpy(vr + (key0 + j) * Hkv * D, b.tv + j * D, D * sizeof(float));
+                }
+            }   /* the loop's barrier: every sequence is gathered before any item reads one */
+        }
+        #pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t it = 0; it < items; it++) {   /* the last query blocks first, as above */
+            int64_t i = it / (Hkv * blocks), rest = it % (Hkv * blocks);
+            int64_t block = blocks - 1 - rest / Hkv, kvh = rest % Hkv;
+            KeySource ks = {.kt = kt + kt_at[i], .v = vg + v_at[i], .ldkt = (kt_at[i + 1] - kt_at[i]) / (Hkv * D),
+                            .k_cache = k_cache, .v_cache = v_cache, .k_scales = k_scales, .v_scales = v_scales,
+                            .paged = gather ? NULL : tables + i * table_stride, .block_size = block_size,
+                            .kv_int8 = kv_int8};
+            if (ok)
+                attend_item(q + i * T * H * D, &ks, out + i * T * H * D, T, H, Hkv, D, context_lens[i], scale,
+                            kvh, block * QUERY_BLOCK, &b);
+        }
+        if (ok) free(b.q);
+    }
+    free(kt), free(vg), free(kt_at);
     return failed ? -2 : 0;
 }

@@ -10,6 +10,9 @@ attention with register-blocked products and the keys transposed once, about twi
 bfloat16, a head size that is not a multiple of 64, a short chunk, no compiler), and the caller then
 runs SDPA: the two compute the same attention up to rounding (tests/test_prefill_attention.py).
 bfloat16 runs on AMX tiles where the CPU has them, and is widened to float32 elsewhere (below).
+:func:`prefill_attention_paged` runs the same kernel on the paged KV cache in place, for several
+sequences and any chunk length: each row's bits depend only on its query and keys, which the
+engine's batch-invariant mode relies on (minserve/engine/batch_invariance.py).
 ``MINSERVE_PREFILL_ATTENTION=sdpa`` turns the kernel off, and kernels/paged_attention.py's for the
 decode rows beside a chunk; ``=c`` (the default) uses them where they apply.
 """
@@ -39,6 +42,7 @@ INPUT_DTYPES = (torch.float32, torch.bfloat16)
 _f32p = ctypes.POINTER(ctypes.c_float)
 _u16p = ctypes.POINTER(ctypes.c_uint16)
 _I64 = ctypes.c_int64
+_P = ctypes.c_void_p
 
 
 @functools.cache
@@ -71,6 +75,9 @@ def _library() -> ctypes.CDLL | None:
     lib.ms_prefill_attention.restype = _I64
     lib.ms_prefill_attention_bf16.restype = _I64
     lib.ms_prefill_attention_amx.restype = _I64
+    lib.ms_prefill_attention_paged.restype = _I64
+    lib.ms_prefill_attention_paged.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _P, _I64, _P, _I64, _I64,
+                                               _I64, _I64, _I64, ctypes.c_float, _P, _I64]
     return lib
 
 
@@ -117,3 +124,42 @@ def _call(entry, pointer, tensors, T, H, Hkv, D, L, scale, num_threads) -> torch
     rc = entry(ptr(qc), ptr(kc), ptr(vc), ptr(out), _I64(T), _I64(H), _I64(Hkv), _I64(D), _I64(L - T),
                ctypes.c_float(scale), _I64(max(0, int(num_threads))))
     return out if rc == 0 else None   # -1: shapes it does not take; -2: out of memory
+
+
+def paged_available() -> bool:
+    """Whether :func:`prefill_attention_paged` is built here (a C compiler, the switch at "c")."""
+    return choice() == "c" and _library() is not None
+
+
+def paged_applies(q: torch.Tensor, head_dim: int, k_cache: torch.Tensor) -> bool:
+    """Whether :func:`prefill_attention_paged` takes queries ``q`` over this cache: float32 queries on
+    the CPU, a float32 or int8 cache, a head size that is a multiple of 64, a built kernel."""
+    return (q.device.type == "cpu" and q.dtype is torch.float32 and head_dim % 64 == 0
+            and k_cache.dtype in (torch.float32, torch.int8) and paged_available())
+
+
+def prefill_attention_paged(q: torch.Tensor, caches: tuple, tables: torch.Tensor, context_lens,
+                            scale: float, num_threads: int = 0) -> torch.Tensor | None:
+    """Causal attention of ``n`` sequences' queries ``q`` [n * T, H, D] (sequence i's at positions
+    ``context_lens[i]`` .. + T - 1) over the paged ``caches`` = (k_cache, v_cache, k_scales,
+    v_scales) through block tables ``tables`` [n, blocks] -> [n * T, H * D], or None when the
+    kernel declines. Any T: each row gets the same bits whatever else is in the call (the
+    batch-invariant mode's attention; tests/test_batch_invariance.py)."""
+    k_cache, v_cache, k_scales, v_scales = caches
+    n = tables.shape[0]
+    rows, H, D = q.shape
+    if n == 0 or rows % n or not paged_applies(q, D, k_cache):
+        return None
+    T = rows // n
+    qc, tab = q.contiguous(), tables.to(torch.int64).contiguous()
+    lens = torch.tensor(list(context_lens), dtype=torch.int64)
+    if lens.numel() != n:
+        raise ValueError(f"prefill_attention_paged: {lens.numel()} context lengths for {n} sequences")
+    int8 = k_cache.dtype is torch.int8
+    out = torch.empty_like(qc)
+    ptr = lambda t: None if t is None else ctypes.c_void_p(t.data_ptr())  # noqa: E731
+    rc = _library().ms_prefill_attention_paged(
+        ptr(qc), ptr(k_cache), ptr(v_cache), ptr(k_scales if int8 else None), ptr(v_scales if int8 else None),
+        int(int8), k_cache.shape[1], ptr(tab), tab.shape[1], ptr(lens), n, T, H, k_cache.shape[2], D,
+        ctypes.c_float(scale), ptr(out), max(0, int(num_threads)))
+    return out.view(rows, H * D) if rc == 0 else None

@@ -104,6 +104,11 @@ class EngineConfig:
     # C kernel (kernels/decode.py). None = when it can (CPU, float32, a C compiler);
     # True = always, failing loudly if it cannot build; False = never (the PyTorch path only).
     fused_decode: bool | None = None
+    # vLLM's VLLM_BATCH_INVARIANT, as an argument: a request's tokens and log-probabilities do not
+    # depend on what else the engine runs (its neighbours, where its prompt is cut into chunks,
+    # prefix-cache hits, preemption). CPU, float32, int8 activations only; every step on the
+    # PyTorch path (fused_decode off). engine/batch_invariance.py says why and what it costs.
+    batch_invariant: bool = False
     # minserve's own: how much history a long-running engine keeps for requests_frame() and
     # steps_frame(). Finished requests are kept as small records (counts and times, ~0.5 KiB plus
     # 8 bytes per output token), the oldest dropped first; memory stays flat however long it serves.
@@ -184,6 +189,8 @@ class EngineConfig:
         if self.fused_decode not in (None, True, False):
             raise ValueError(f"fused_decode must be None (auto), True or False, got {self.fused_decode!r}")
         self._check_quantization()
+        from minserve.engine.batch_invariance import check_config
+        check_config(self)
         from minserve.engine.logits_processor import resolve_logits_processors
         resolve_logits_processors(self.logits_processors)  # a name that does not import fails here
 

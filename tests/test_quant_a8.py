@@ -376,10 +376,11 @@ def test_an_engine_with_int8_activations_keeps_tiles_and_the_same_tokens(model_d
 
 def test_without_the_fused_step_a_request_gets_the_same_logits_in_any_batch(model_dirs):  # noqa: F811
     """docs/engine/sampling.md (batch-invariant runs): with fused_decode=False every step runs the
-    PyTorch path, whose arithmetic per row does not depend on the rows beside it (the products per
-    row, attention per sequence, SwiGLU and RoPE in C at every row count), so int8 activations
-    round the same inputs into the same codes alone and in a crowd: a seeded request's tokens and
-    its log-probabilities come out bit for bit the same."""
+    PyTorch path, whose products and SwiGLU/RoPE per row do not depend on the rows beside it (C at
+    every row count), so int8 activations round the same inputs into the same codes alone and in a
+    crowd: a short prompt, never cut into chunks, gets its tokens and log-probabilities bit for bit
+    the same. (Chunk cuts, prefix-cache hits and preemption also need the attention of
+    batch_invariant=True: tests/test_batch_invariance.py.)"""
     from minserve import LLM, SamplingParams
     llm = LLM(str(model_dirs["llama"]), quantization="int4", quantization_config={"activations": "int8"},
               fused_decode=False, num_kv_blocks=64, block_size=16, max_model_len=256, device="cpu", seed=0,

@@ -58,11 +58,11 @@ class TorchAttentionBackend(AttentionBackend):
     """The reference: gathers blocks and calls SDPA per group of equal query lengths."""
     name = "torch"
 
-    def __init__(self, block_size: int, device: torch.device | str):
-        self.block_size, self.device = block_size, device
+    def __init__(self, block_size: int, device: torch.device | str, batch_invariant: bool = False):
+        self.block_size, self.device, self.batch_invariant = block_size, device, batch_invariant
 
     def layer_attention(self, num_heads: int, num_kv_heads: int, head_dim: int) -> TorchPagedAttention:
-        return TorchPagedAttention(num_heads, num_kv_heads, head_dim)
+        return TorchPagedAttention(num_heads, num_kv_heads, head_dim, self.batch_invariant)
 
     def build_metadata(self, seqs: StepSequences) -> AttentionMetadata:
         return build_attention_metadata(seqs.query_lens, seqs.context_lens, seqs.block_tables,

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from minserve.attention.metadata import AttentionMetadata
 from minserve.kernels import paged_attention as paged
-from minserve.kernels.prefill_attention import MIN_QUERY_LEN, applies, prefill_attention
+from minserve.kernels.prefill_attention import MIN_QUERY_LEN, applies, prefill_attention, prefill_attention_paged
 from minserve.kernels.triton.reference import dequantize_kv_int8, write_kv_int8
 
 
@@ -47,9 +47,13 @@ def write_new_kv(k: torch.Tensor, v: torch.Tensor, caches: tuple, slot_mapping: 
 class TorchPagedAttention:
     name = "torch"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, batch_invariant: bool = False):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
+        # Every group through one kernel whose rows do not depend on the call (EngineConfig's
+        # batch_invariant): the choices below by query length would give a token other bits when
+        # its chunk is cut elsewhere, and the cut depends on the other requests of the step.
+        self.batch_invariant = batch_invariant
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -63,6 +67,13 @@ class TorchPagedAttention:
         return torch.cat([self._group(q[g.token_start:g.token_end], caches, g) for g in meta.groups], dim=0)
 
     def _group(self, q, caches, g) -> torch.Tensor:
+        if self.batch_invariant:
+            out = prefill_attention_paged(q.view(-1, self.num_heads, self.head_dim), caches, g.kv_blocks,
+                                          g.context_lens, self.scale)
+            if out is None:   # the engine checked the kernel applies (engine/batch_invariance.py)
+                raise RuntimeError("batch_invariant: the C attention kernel declined a step; its rows "
+                                   "cannot be computed batch-invariantly")
+            return out
         if g.query_len >= MIN_QUERY_LEN and applies(q, self.head_dim):
             out = self._prefill_in_c(q, caches, g)
             if out is not None:

@@ -33,6 +33,7 @@ from minserve.engine.logits_batch import processor_rows
 from minserve.engine.kv_cache import KVCacheManager, KVCacheSpec, LayerKV, allocate_kv_tensors, allocate_layer_kv
 from minserve.engine.memory import DeviceMemory, DeviceMemoryReader, measure_device_memory, snapshot
 from minserve.engine.sampler import Sampler, SamplingBatch, banned_tokens
+from minserve.engine.batch_invariance import check_model
 from minserve.engine.fused_step import FusedCpuExecutor, fused_decoder
 from minserve.engine.step_executor import ModelExecutor, StepExecutor
 from minserve.engine.step_io import ModelRunnerOutput, SampledToken, SchedulerOutput
@@ -87,7 +88,9 @@ class ModelRunner:
         # The attention backend whose metadata any step can use (torch), the Triton decode backend
         # on CUDA (its per-layer op serves torch metadata too, so the model attends through it),
         # and the step executors by preference (allocate_kv adds the fused C step).
-        self.layer_backend = TorchAttentionBackend(config.block_size, self.device)
+        if config.batch_invariant:
+            check_model(self.model.config.head_dim)
+        self.layer_backend = TorchAttentionBackend(config.block_size, self.device, config.batch_invariant)
         self.decode_backend = _triton_decode_backend(self.model.config, config, self.device)
         self.model.use_attention(self.decode_backend or self.layer_backend)
         self.model_executor = ModelExecutor(self, self.layer_backend)  # runs any step

@@ -1,0 +1,130 @@
+"""Batch-invariant runs (minserve/engine/batch_invariance.py): a request's tokens and
+log-probabilities do not depend on what else the engine runs.
+
+The kernel underneath: ms_prefill_attention_paged computes each query row with the same arithmetic
+whatever its chunk, its neighbours, or where its keys were read from; the engine test puts a seeded
+request through other chunk cuts, a prefix-cache hit and a preemption and compares bits."""
+
+import pytest
+import torch
+
+from minserve import LLM, SamplingParams
+from minserve.config import EngineConfig
+from minserve.kernels import prefill_attention as pa
+from minserve.kernels.triton.reference import dequantize_kv_int8, quantize_kv_int8
+
+if not pa.paged_available():
+    pytest.skip("no C compiler: the kernel cannot be built here", allow_module_level=True)
+
+A8 = {"quantization": "int4", "quantization_config": {"activations": "int8"}}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A small random Llama with heads of 64, the size the C attention kernel takes."""
+    from minserve.models.loader import _smollm2_tokenizer_dir
+    from minserve.models.tiny import write_tiny_model
+    return write_tiny_model(tmp_path_factory.mktemp("bi") / "llama", 3, _smollm2_tokenizer_dir(),
+                            {"hidden_size": 128, "intermediate_size": 256, "head_dim": 64})
+
+
+def _paged_cache(int8: bool, blocks=24, block_size=16, Hkv=3, D=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(blocks * block_size, Hkv, D, generator=g) for _ in range(2))
+    if not int8:
+        return k.view(blocks, block_size, Hkv, D), v.view(blocks, block_size, Hkv, D), None, None
+    (kc, ks), (vc, vs) = quantize_kv_int8(k), quantize_kv_int8(v)
+    shape = (blocks, block_size, Hkv)
+    return kc.view(*shape, D), vc.view(*shape, D), ks.float().view(shape), vs.float().view(shape)
+
+
+def _sequence(caches, table, L):
+    """The sequence's keys and values in token order, as the PyTorch path hands them over."""
+    k, v, ks, vs = caches
+    rows = [c[table].flatten(0, 1)[:L] for c in (k, v)]
+    if ks is None:
+        return rows
+    return [dequantize_kv_int8(r, s[table].flatten(0, 1)[:L]) for r, s in zip(rows, (ks, vs))]
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+def test_each_row_gets_the_same_bits_in_any_chunk_and_beside_any_sequence(int8):
+    """The paged entry gives ms_prefill_attention's bits for a whole prompt, and every row the same
+    bits again when the prompt is cut into chunks of 1 to 79 queries or shares the call."""
+    caches, L, H = _paged_cache(int8), 150, 9
+    table = torch.randperm(24, generator=torch.Generator().manual_seed(1))[:10]
+    q = torch.randn(L, H, 64, generator=torch.Generator().manual_seed(2))
+    whole = pa.prefill_attention_paged(q, caches, table[None], [0], 0.125)
+    k, v = _sequence(caches, table, L)
+    assert torch.equal(whole, pa.prefill_attention(q, k, v, 0.125).view(L, -1))
+    for start, n in ((0, 64), (64, 6), (70, 1), (71, 79), (149, 1), (100, 17), (3, 33)):
+        assert torch.equal(pa.prefill_attention_paged(q[start:start + n], caches, table[None], [start], 0.125),
+                           whole[start:start + n]), (start, n)
+    two = pa.prefill_attention_paged(torch.cat([q[10:13], q[140:143]]), caches, torch.stack([table, table]),
+                                     [10, 140], 0.125)
+    assert torch.equal(two, torch.cat([whole[10:13], whole[140:143]]))
+
+
+def test_the_paged_entry_declines_what_it_does_not_take():
+    caches = _paged_cache(False)
+    table = torch.arange(4)[None]
+    assert pa.prefill_attention_paged(torch.randn(3, 9, 32), caches, table, [0], 0.1) is None   # head size
+    assert pa.prefill_attention_paged(torch.randn(3, 9, 64).bfloat16(), caches, table, [0], 0.1) is None
+    with pytest.raises(ValueError, match="2 context lengths for 1 sequences"):
+        pa.prefill_attention_paged(torch.randn(3, 9, 64), caches, table, [0, 1], 0.1)
+
+
+def _crowd_run(path, **engine):
+    """A seeded request alone on one engine, then on a fresh one behind a request sharing its first
+    64 tokens (a prefix-cache hit), beside others in a pool small enough that it is preempted, with
+    a token budget that cuts its prompt elsewhere. Returns (alone, together, its preemptions)."""
+    mk = lambda: LLM(str(path), num_kv_blocks=24, block_size=16, max_num_seqs=5, max_num_batched_tokens=40,  # noqa: E731
+                     max_model_len=256, device="cpu", seed=0, enable_prefix_caching=True,
+                     kv_cache_dtype="int8", **A8, **engine)
+    prompt = [(13 * i) % 900 + 5 for i in range(110)]
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=40, logprobs=5, ignore_eos=True)
+    alone = mk().generate([{"prompt_token_ids": prompt}], seeded, use_tqdm=False)[0].outputs[0]
+    llm = mk()
+    crowd = [prompt[:64] + [7, 8, 9]] + [[(29 * i + j) % 900 + 3 for i in range(20 + 15 * j)] for j in range(3)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in crowd + [prompt]],
+                        [SamplingParams(max_tokens=90, ignore_eos=True)] * 4 + [seeded], use_tqdm=False)
+    preempted = int(llm.llm_engine.requests_frame().num_preemptions.iloc[-1])
+    return alone, outs[-1].outputs[0], preempted
+
+
+def _numbers(out):
+    return [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs]
+
+
+def test_a_seeded_request_is_bit_for_bit_the_same_alone_and_in_a_crowd(model_dir):
+    alone, together, preempted = _crowd_run(model_dir, batch_invariant=True)
+    assert preempted >= 1   # the run went through a recompute, not only other chunks
+    assert together.token_ids == alone.token_ids
+    assert _numbers(together) == _numbers(alone)
+
+
+def test_without_the_mode_the_same_crowd_moves_the_logprobs(model_dir):
+    """What the mode fixes: the fused step off alone leaves rows whose attention kernel depends on
+    the chunk (a decode-style kernel under 16 queries, the flash kernel from 16), so the same run
+    moves the log-probabilities."""
+    alone, together, _ = _crowd_run(model_dir, fused_decode=False)
+    assert _numbers(together) != _numbers(alone)
+
+
+@pytest.mark.parametrize("engine, message", [
+    ({}, "with quantization_config={'activations': 'int8'}"),
+    ({**A8, "fused_decode": True}, "leave fused_decode unset"),
+    ({**A8, "dtype": "bfloat16"}, "needs dtype='float32', got 'bfloat16'"),
+    ({**A8, "device": "cuda"}, "CPU only"),   # int8 activations refuse a GPU first
+    ({**A8, "batch_invariant": "yes"}, "batch_invariant must be True or False, got 'yes'"),
+])
+def test_the_mode_names_what_conflicts(engine, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="tiny-llama", **{"batch_invariant": True, **engine})
+
+
+def test_the_mode_turns_the_fused_step_off_and_the_server_takes_the_flag():
+    from minserve.server.cli import build_parser
+    assert EngineConfig(model="tiny-llama", batch_invariant=True, **A8).fused_decode is False
+    args = build_parser().parse_args(["--batch-invariant", "--quantization", "int4"])
+    assert args.batch_invariant is True
