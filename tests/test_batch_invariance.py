@@ -74,31 +74,32 @@ def test_the_paged_entry_declines_what_it_does_not_take():
         pa.prefill_attention_paged(torch.randn(3, 9, 64), caches, table, [0, 1], 0.1)
 
 
-def _crowd_run(path, **engine):
+def _crowd_run(model, prompt, **engine):
     """A seeded request alone on one engine, then on a fresh one behind a request sharing its first
     64 tokens (a prefix-cache hit), beside others in a pool small enough that it is preempted, with
-    a token budget that cuts its prompt elsewhere. Returns (alone, together, its preemptions)."""
-    mk = lambda: LLM(str(path), num_kv_blocks=24, block_size=16, max_num_seqs=5, max_num_batched_tokens=40,  # noqa: E731
+    a token budget that cuts its prompt elsewhere. Returns (alone, together, its requests_frame row)."""
+    mk = lambda: LLM(str(model), num_kv_blocks=24, block_size=16, max_num_seqs=5, max_num_batched_tokens=40,  # noqa: E731
                      max_model_len=256, device="cpu", seed=0, enable_prefix_caching=True,
                      kv_cache_dtype="int8", **A8, **engine)
-    prompt = [(13 * i) % 900 + 5 for i in range(110)]
     seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=40, logprobs=5, ignore_eos=True)
     alone = mk().generate([{"prompt_token_ids": prompt}], seeded, use_tqdm=False)[0].outputs[0]
     llm = mk()
     crowd = [prompt[:64] + [7, 8, 9]] + [[(29 * i + j) % 900 + 3 for i in range(20 + 15 * j)] for j in range(3)]
     outs = llm.generate([{"prompt_token_ids": p} for p in crowd + [prompt]],
                         [SamplingParams(max_tokens=90, ignore_eos=True)] * 4 + [seeded], use_tqdm=False)
-    preempted = int(llm.llm_engine.requests_frame().num_preemptions.iloc[-1])
-    return alone, outs[-1].outputs[0], preempted
+    return alone, outs[-1].outputs[0], llm.llm_engine.requests_frame().iloc[-1]
 
 
 def _numbers(out):
     return [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs]
 
 
+PROMPT = [(13 * i) % 900 + 5 for i in range(110)]
+
+
 def test_a_seeded_request_is_bit_for_bit_the_same_alone_and_in_a_crowd(model_dir):
-    alone, together, preempted = _crowd_run(model_dir, batch_invariant=True)
-    assert preempted >= 1   # the run went through a recompute, not only other chunks
+    alone, together, row = _crowd_run(model_dir, PROMPT, batch_invariant=True)
+    assert row.num_preemptions >= 1   # the run went through a recompute, not only other chunks
     assert together.token_ids == alone.token_ids
     assert _numbers(together) == _numbers(alone)
 
@@ -107,8 +108,24 @@ def test_without_the_mode_the_same_crowd_moves_the_logprobs(model_dir):
     """What the mode fixes: the fused step off alone leaves rows whose attention kernel depends on
     the chunk (a decode-style kernel under 16 queries, the flash kernel from 16), so the same run
     moves the log-probabilities."""
-    alone, together, _ = _crowd_run(model_dir, fused_decode=False)
+    alone, together, _ = _crowd_run(model_dir, PROMPT, fused_decode=False)
     assert _numbers(together) != _numbers(alone)
+
+
+def test_speculation_keeps_it():
+    """Proposals come from the request's own tokens, seeded draws do not depend on how many were
+    proposed, and verification rows are rows like the others. SmolLM2 on a repetitive text, so
+    that n-gram lookup proposes (a random model's samples never repeat)."""
+    from transformers import AutoTokenizer
+
+    from minserve.models.loader import _smollm2_tokenizer_dir
+    tokenizer = AutoTokenizer.from_pretrained(_smollm2_tokenizer_dir())
+    prompt = tokenizer.encode("The cat sat on the mat and the dog sat on the log. " * 6)[:110]
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    alone, together, row = _crowd_run("smollm2-135m", prompt, batch_invariant=True, speculative_config=ngram)
+    assert row.spec_proposed > 0 and row.num_preemptions >= 1
+    assert together.token_ids == alone.token_ids
+    assert _numbers(together) == _numbers(alone)
 
 
 @pytest.mark.parametrize("engine, message", [
