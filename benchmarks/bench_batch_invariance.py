@@ -12,16 +12,16 @@ A second table is the harder case: a seeded request of 150 prompt tokens and 60 
 on one engine, then on a fresh one behind a request that shares its first 70 tokens (a prefix-cache
 hit), beside others, in a KV pool small enough that it is preempted and with a token budget that
 cuts its prompt elsewhere. There ``fused_decode=False`` is not enough (its chunks of under 16
-queries take another attention kernel); ``batch_invariant=True`` is (minserve/engine/
-batch_invariance.py).
+queries take another attention kernel, float32 products another blocking); ``batch_invariant=True``
+is (minserve/engine/batch_invariance.py).
 
     .venv/bin/python benchmarks/bench_batch_invariance.py [--model smollm2-135m --neighbour-tokens 300]
     .venv/bin/python benchmarks/bench_batch_invariance.py --cost   # what the recipe costs
 
 ``--cost`` times what batch invariance costs instead: SwiGLU and RoPE in C against PyTorch's at a
-few rows (the C kernels take every row count since 2026-12-07), and decode with the fused step,
-without it, and in the batch-invariant mode for int4 weights with int8 activations, at batch 1 and
-16 (two alternating rounds).
+few rows (the C kernels take every row count since 2026-12-07), and, for float32, int4 and int4
+with int8 activations, decode at batch 1 and 16 and prefill by default and in the batch-invariant
+mode (two alternating rounds).
 """
 
 from __future__ import annotations
@@ -40,10 +40,13 @@ SETTINGS = {"float32": {}, "int4": {"quantization": "int4"}, "int4, int8 activat
             # Every step through the PyTorch path: the batch-invariant recipe (docs/engine/sampling.md).
             "float32, fused_decode=False": {"fused_decode": False},
             "int4, int8 activations, fused_decode=False": {**A8, "fused_decode": False},
+            "float32, batch_invariant=True": {"batch_invariant": True},
             "int4, int8 activations, batch_invariant=True": {**A8, "batch_invariant": True}}
-CROWD_SETTINGS = {name: SETTINGS[name] for name in ("int4, int8 activations",
-                                                    "int4, int8 activations, fused_decode=False",
-                                                    "int4, int8 activations, batch_invariant=True")}
+CROWD_SETTINGS = {name: SETTINGS[name] for name in (
+    "float32", "float32, fused_decode=False", "float32, batch_invariant=True", "int4, int8 activations",
+    "int4, int8 activations, fused_decode=False", "int4, int8 activations, batch_invariant=True")}
+# --cost: each weight format by default and in the mode
+COST_SETTINGS = {"float32": {}, "int4": {"quantization": "int4"}, "int4, int8 activations": A8}
 
 
 def first_logprobs(llm: LLM, prompt: str, neighbour: str | None) -> dict:
@@ -127,17 +130,18 @@ class _Timed:
         return time.perf_counter() - t0, None
 
 
-def decode_tok_s(model: str, engine_args: dict) -> tuple[float, float]:
-    """Decode tok/s at batch 1 (128 tokens) and batch 16 (64 each), prefill subtracted as
-    bench_vs_vllm.py does it."""
-    from bench_vs_vllm import decode, decode_batch
+def rates(model: str, engine_args: dict) -> tuple[float, float, float]:
+    """Decode tok/s at batch 1 (128 tokens) and batch 16 (64 each), prefill subtracted, and prefill
+    tok/s of 512-token prompts, as bench_vs_vllm.py measures them."""
+    from bench_vs_vllm import decode, decode_batch, prefill
     engine = _Timed(LLM(model, enable_prefix_caching=False, **engine_args))
     engine.run([list(range(100, 132))], [8])   # first-step costs, untimed
-    rates = (decode(engine, list(range(100, 132)), 129),
-             decode_batch(engine, [list(range(200 + 40 * i, 232 + 40 * i)) for i in range(16)], 65))
+    got = (decode(engine, list(range(100, 132)), 129),
+           decode_batch(engine, [list(range(200 + 40 * i, 232 + 40 * i)) for i in range(16)], 65),
+           prefill(engine, [list(range(1000 + 7 * i, 1512 + 7 * i)) for i in range(3)]))
     del engine
     gc.collect()
-    return rates
+    return got
 
 
 def cost(model: str) -> None:
@@ -145,17 +149,17 @@ def cost(model: str) -> None:
     print("| --- | --- | --- |")
     for rows in (1, 4, 8, 15):
         print("| {} | {:.1f} | {:.1f} |".format(rows, *token_ops_us(rows)))
-    runs = {"fused step": {}, "fused_decode=False": {"fused_decode": False},
-            "batch_invariant=True": {"batch_invariant": True}}
+    runs = {f"{fmt}{mode}": {**kw, **extra} for fmt, kw in COST_SETTINGS.items()
+            for mode, extra in (("", {}), (", batch_invariant=True", {"batch_invariant": True}))}
     got = {name: [] for name in runs}
-    for _ in range(2):
+    for _ in range(2):   # two alternating rounds
         for name, kw in runs.items():
-            got[name].append(decode_tok_s(model, {**A8, **kw}))
-    print("\n| int4, int8 activations | batch-1 decode (tok/s) | batch-16 decode (tok/s) |")
-    print("| --- | --- | --- |")
-    for name, rates in got.items():
-        b1, b16 = sorted(r[0] for r in rates), sorted(r[1] for r in rates)
-        print(f"| {name} | {b1[0]:.0f}-{b1[-1]:.0f} | {b16[0]:.0f}-{b16[-1]:.0f} |")
+            got[name].append(rates(model, kw))
+    print("\n| setting | batch-1 decode (tok/s) | batch-16 decode (tok/s) | prefill, 512 tokens (tok/s) |")
+    print("| --- | --- | --- | --- |")
+    for name, rs in got.items():
+        cells = [sorted(r[i] for r in rs) for i in range(3)]
+        print(f"| {name} | " + " | ".join(f"{c[0]:.0f}-{c[-1]:.0f}" for c in cells) + " |")
 
 
 def main() -> None:

@@ -453,3 +453,18 @@ class FusedDecoder:
                 rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n)):
             raise ValueError(f"logit rows must be at most {n} indices in [0, {n}), got {rows.tolist()}")
         return pos_hi
+
+
+def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for float32 ``x`` [rows, in] on the CPU through decode.c's dense loops,
+    whose sum for one row does not depend on how many rows the call has (oneDNN and MKL pick their
+    blocking by the row count: a row's last bits move with its neighbours). Near oneDNN's rate at
+    prefill sizes, faster at a few rows (benchmarks in minserve/engine/batch_invariance.py). The
+    batch-invariant mode's float32 products (models/layers.py)."""
+    lib = load("decode")   # KernelUnavailable propagates: the engine checked at start-up
+    x2 = x.reshape(-1, weight.shape[1]).float().contiguous()
+    y = torch.empty(x2.shape[0], weight.shape[0])
+    if x2.shape[0]:
+        lib.ms_matmul(_ptr(weight), _ptr(bias), _ptr(x2), _ptr(y), _I64(x2.shape[0]), _I64(weight.shape[1]),
+                      _I64(weight.shape[0]), 0)
+    return y.reshape(*x.shape[:-1], weight.shape[0])

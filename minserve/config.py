@@ -106,7 +106,7 @@ class EngineConfig:
     fused_decode: bool | None = None
     # vLLM's VLLM_BATCH_INVARIANT, as an argument: a request's tokens and log-probabilities do not
     # depend on what else the engine runs (its neighbours, where its prompt is cut into chunks,
-    # prefix-cache hits, preemption). CPU, float32, int8 activations only; every step on the
+    # prefix-cache hits, preemption). CPU and float32 only (any weight format); every step on the
     # PyTorch path (fused_decode off). engine/batch_invariance.py says why and what it costs.
     batch_invariant: bool = False
     # minserve's own: how much history a long-running engine keeps for requests_frame() and

@@ -74,13 +74,13 @@ def test_the_paged_entry_declines_what_it_does_not_take():
         pa.prefill_attention_paged(torch.randn(3, 9, 64), caches, table, [0, 1], 0.1)
 
 
-def _crowd_run(model, prompt, **engine):
+def _crowd_run(model, prompt, weights=A8, **engine):
     """A seeded request alone on one engine, then on a fresh one behind a request sharing its first
     64 tokens (a prefix-cache hit), beside others in a pool small enough that it is preempted, with
     a token budget that cuts its prompt elsewhere. Returns (alone, together, its requests_frame row)."""
     mk = lambda: LLM(str(model), num_kv_blocks=24, block_size=16, max_num_seqs=5, max_num_batched_tokens=40,  # noqa: E731
                      max_model_len=256, device="cpu", seed=0, enable_prefix_caching=True,
-                     kv_cache_dtype="int8", **A8, **engine)
+                     kv_cache_dtype="int8", **weights, **engine)
     seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=40, logprobs=5, ignore_eos=True)
     alone = mk().generate([{"prompt_token_ids": prompt}], seeded, use_tqdm=False)[0].outputs[0]
     llm = mk()
@@ -97,8 +97,12 @@ def _numbers(out):
 PROMPT = [(13 * i) % 900 + 5 for i in range(110)]
 
 
-def test_a_seeded_request_is_bit_for_bit_the_same_alone_and_in_a_crowd(model_dir):
-    alone, together, row = _crowd_run(model_dir, PROMPT, batch_invariant=True)
+FORMATS = {"float32": {}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"}, "int4-a8": A8}
+
+
+@pytest.mark.parametrize("weights", FORMATS.values(), ids=FORMATS.keys())
+def test_a_seeded_request_is_bit_for_bit_the_same_alone_and_in_a_crowd(model_dir, weights):
+    alone, together, row = _crowd_run(model_dir, PROMPT, weights, batch_invariant=True)
     assert row.num_preemptions >= 1   # the run went through a recompute, not only other chunks
     assert together.token_ids == alone.token_ids
     assert _numbers(together) == _numbers(alone)
@@ -110,6 +114,19 @@ def test_without_the_mode_the_same_crowd_moves_the_logprobs(model_dir):
     moves the log-probabilities."""
     alone, together, _ = _crowd_run(model_dir, PROMPT, fused_decode=False)
     assert _numbers(together) != _numbers(alone)
+
+
+def test_the_mode_computes_the_same_model(model_dir):
+    """Its products and attention are other kernels for the same formulas: a prompt's logprobs stay
+    within float32 rounding of the default engine's (which the suite holds to transformers)."""
+    params = SamplingParams(max_tokens=1, logprobs=10, prompt_logprobs=1)
+    outs = [LLM(str(model_dir), num_kv_blocks=24, device="cpu", max_model_len=256, **engine).generate(
+        [{"prompt_token_ids": PROMPT[:70]}], params, use_tqdm=False)[0] for engine in ({}, {"batch_invariant": True})]
+    first = [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs]
+    assert first[0].keys() == first[1].keys()
+    assert max(abs(first[0][t] - first[1][t]) for t in first[0]) < 1e-4
+    prompt = [[next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in outs]
+    torch.testing.assert_close(torch.tensor(prompt[1]), torch.tensor(prompt[0]), rtol=0, atol=1e-4)
 
 
 def test_speculation_keeps_it():
@@ -129,9 +146,10 @@ def test_speculation_keeps_it():
 
 
 @pytest.mark.parametrize("engine, message", [
-    ({}, "with quantization_config={'activations': 'int8'}"),
-    ({**A8, "fused_decode": True}, "leave fused_decode unset"),
-    ({**A8, "dtype": "bfloat16"}, "needs dtype='float32', got 'bfloat16'"),
+    ({"fp32_matmul_precision": "high"}, "needs fp32_matmul_precision='highest'"),
+    ({"fused_decode": True}, "leave fused_decode unset"),
+    ({"dtype": "bfloat16"}, "needs dtype='float32', got 'bfloat16'"),
+    ({"device": "cuda"}, "needs the CPU kernels"),
     ({**A8, "device": "cuda"}, "CPU only"),   # int8 activations refuse a GPU first
     ({**A8, "batch_invariant": "yes"}, "batch_invariant must be True or False, got 'yes'"),
 ])

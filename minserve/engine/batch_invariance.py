@@ -12,20 +12,22 @@ they move a lot: a value that lands on the other side of a rounding boundary cha
 ``EngineConfig(batch_invariant=True)`` (``--batch-invariant``; vLLM's ``VLLM_BATCH_INVARIANT``)
 removes every such dependence on the CPU:
 
-- the weight products are the int8-activation loops (``quantization_config={"activations":
-  "int8"}``, kernels/quant_a8*.h), whose per-row arithmetic is fixed whatever the row count (float
-  products through oneDNN are not: hence int8 activations are required);
+- every weight product runs in C loops whose sum for one row is fixed whatever the row count:
+  float32 weights in decode.c's dense loops (oneDNN and MKL block by the row count: a row's last
+  bits moved with its neighbours, 1.8e-5 nats), int8/int4 weights in quant.c's loops at every row
+  count (not the dequantized tiles of long chunks), int8 activations in their own loops;
 - SwiGLU and RoPE run in C at every row count (kernels/token_ops.py), RMSNorm in PyTorch per row;
 - attention of every row, prompt chunk or decode row, goes through one kernel whose rows do not
   depend on the call (``ms_prefill_attention_paged`` in kernels/prefill_attention.c);
 - every step runs on the PyTorch path (``fused_decode`` off).
 
-What it costs is the fused step: W4A8 decode at 65-68 against 157-187 tok/s at batch 1 and 529-546
-against 876-950 at batch 16 (``benchmarks/bench_batch_invariance.py --cost``, 2026-12-07; short
-contexts: a decode row's attention in the flash kernel costs more than in the decode kernel as the
-context grows). Speculative decoding keeps the property: proposals come from the request's own
-tokens, seeded draws do not depend on how many were proposed, and verification rows are rows like
-the others (tests/test_batch_invariance.py).
+What it costs (``benchmarks/bench_batch_invariance.py --cost``, SmolLM2, two threads, 2026-12-07):
+prefill nothing for float32 and int8 activations (the row-invariant loops run near oneDNN's rate on
+long chunks), half for int4 weights with float inputs (no dequantized tiles); decode the fused step,
+0.3-0.6x its speed at batch 1 and 0.5-0.9x at batch 16 (docs/engine/sampling.md has the table).
+Speculative decoding keeps the property: proposals come from the request's own tokens, seeded
+draws do not depend on how many were proposed, and verification rows are rows like the others
+(tests/test_batch_invariance.py).
 """
 
 from __future__ import annotations
@@ -42,14 +44,27 @@ def check_config(config) -> None:
     if config.device != "cpu":
         raise ValueError(f"{why} the CPU kernels (device={config.device!r})")
     if config.dtype != "float32":
-        raise ValueError(f"{why} dtype='float32', got {config.dtype!r}")
-    if getattr(config.quant_scheme, "activations", "float") != "int8":
-        raise ValueError(f"{why} quantization='int8' or 'int4' with quantization_config="
-                         "{'activations': 'int8'}: float products go through oneDNN or MKL, whose "
-                         "rounding depends on how many rows a step has")
+        raise ValueError(f"{why} dtype='float32', got {config.dtype!r}: half-precision products "
+                         "run on oneDNN or the AMX tiles, blocked by the row count")
+    if config.fp32_matmul_precision != "highest":
+        raise ValueError(f"{why} fp32_matmul_precision='highest': 'high' multiplies on the AMX "
+                         "tiles from 16 rows on")
     if config.fused_decode:
         raise ValueError(f"{why} every step on the PyTorch path; leave fused_decode unset (or False)")
     config.fused_decode = False
+
+
+def make_row_invariant(model) -> int:
+    """Send every weight product of ``model`` through loops whose sum for one row does not depend
+    on the others: float32 weights through decode.c's dense loops, int8/int4 weights with float
+    inputs through quant.c's at every row count (not the dequantized tiles), int8 activations'
+    loops as they are. Returns how many layers were switched."""
+    from minserve.models.layers import Linear
+    from minserve.quant.schemes import _QuantLinear
+    layers = [m for m in model.modules() if isinstance(m, (Linear, _QuantLinear))]
+    for layer in layers:
+        layer.row_invariant = True
+    return len(layers)
 
 
 def check_model(head_dim: int) -> None:
@@ -58,5 +73,6 @@ def check_model(head_dim: int) -> None:
     if head_dim % 64:
         raise ValueError(f"batch_invariant=True needs a head size that is a multiple of 64, got {head_dim}")
     if not paged_available():
-        raise ValueError("batch_invariant=True needs the C attention kernel, which did not build here "
-                         "(a C compiler with OpenMP; see `minserve doctor`)")
+        raise ValueError("batch_invariant=True needs the C attention kernel: MINSERVE_PREFILL_ATTENTION=sdpa "
+                         "turns it off, or it did not build here (a C compiler with OpenMP; see "
+                         "`minserve doctor`)")

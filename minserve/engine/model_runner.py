@@ -33,7 +33,7 @@ from minserve.engine.logits_batch import processor_rows
 from minserve.engine.kv_cache import KVCacheManager, KVCacheSpec, LayerKV, allocate_kv_tensors, allocate_layer_kv
 from minserve.engine.memory import DeviceMemory, DeviceMemoryReader, measure_device_memory, snapshot
 from minserve.engine.sampler import Sampler, SamplingBatch, banned_tokens
-from minserve.engine.batch_invariance import check_model
+from minserve.engine.batch_invariance import check_model, make_row_invariant
 from minserve.engine.fused_step import FusedCpuExecutor, fused_decoder
 from minserve.engine.step_executor import ModelExecutor, StepExecutor
 from minserve.engine.step_io import ModelRunnerOutput, SampledToken, SchedulerOutput
@@ -90,6 +90,8 @@ class ModelRunner:
         # and the step executors by preference (allocate_kv adds the fused C step).
         if config.batch_invariant:
             check_model(self.model.config.head_dim)
+            log.info("batch_invariant: %d weight products in row-invariant loops, every step on the "
+                     "PyTorch path", make_row_invariant(self.model))
         self.layer_backend = TorchAttentionBackend(config.block_size, self.device, config.batch_invariant)
         self.decode_backend = _triton_decode_backend(self.model.config, config, self.device)
         self.model.use_attention(self.decode_backend or self.layer_backend)

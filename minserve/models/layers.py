@@ -32,6 +32,10 @@ class Linear(nn.Module):
     and :meth:`weight_bytes`.
     """
 
+    # The batch-invariant mode (engine/batch_invariance.py) sets it: products through C loops whose
+    # sum for a row does not depend on the other rows (oneDNN's and MKL's blocking does).
+    row_invariant: bool = False
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         super().__init__()
@@ -76,6 +80,9 @@ class Linear(nn.Module):
             self.split_weight()   # halves of the weight as it now is
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_invariant:   # the batch-invariant mode: a row's sum whatever the row count
+            from minserve.kernels.decode import row_invariant_linear
+            return row_invariant_linear(x, self.weight, self.bias)
         # oneDNN on CPU where it is faster; the bf16 halves at fp32_matmul_precision "high" (gemm.py)
         return gemm.linear(x, self.weight, self.bias, self.bf16_halves)
 

@@ -62,6 +62,9 @@ class _QuantLinear(nn.Module):
     # "int8": inputs quantized in blocks of 32 on every path (minserve/quant/activations.py);
     # set by the scheme (quantization_config["activations"]) for layers with in_features % 32 == 0.
     activations: str = "float"
+    # The batch-invariant mode (engine/batch_invariance.py): float inputs take the C loops at every
+    # row count, not the dequantized tiles of PREFILL_MIN_ROWS+ rows, whose GEMM blocks by rows.
+    row_invariant: bool = False
 
     def __init__(self, linear: Linear):
         super().__init__()
@@ -117,7 +120,7 @@ class _QuantLinear(nn.Module):
             y = self._a8(x2.float().contiguous(), bias, path == "cpu").to(x.dtype)
         elif path == "cpu":  # the C kernels take float32 (a bf16 CPU model converts at the edges)
             bias = None if self.bias is None else self.bias.float()
-            y = self._cpu(x2.float().contiguous(), bias).to(x.dtype)
+            y = self._cpu(x2.float().contiguous(), bias, "fused" if self.row_invariant else "auto").to(x.dtype)
         elif path == "triton":
             y = self._triton(x2.contiguous())
         else:
@@ -140,9 +143,9 @@ class Int8Linear(_QuantLinear):
     def dequantize(self) -> torch.Tensor:
         return formats.dequantize_int8(self.codes, self.scales)
 
-    def _cpu(self, x, bias):
+    def _cpu(self, x, bias, path):
         from minserve.kernels.quant import int8_linear
-        return int8_linear(x, self.codes, self.scales, bias)
+        return int8_linear(x, self.codes, self.scales, bias, path=path)
 
     def _a8_weight(self) -> tuple:
         return 8, self.codes, self.scales, None, 0
@@ -178,9 +181,9 @@ class Int4Linear(_QuantLinear):
     def dequantize(self) -> torch.Tensor:
         return formats.dequantize_int4(self.packed, self.scales, self.mins, self.group_size)
 
-    def _cpu(self, x, bias):
+    def _cpu(self, x, bias, path):
         from minserve.kernels.quant import int4_linear
-        return int4_linear(x, self.packed, self.scales, self.mins, self.group_size, bias)
+        return int4_linear(x, self.packed, self.scales, self.mins, self.group_size, bias, path=path)
 
     def _a8_weight(self) -> tuple:
         return 4, self.packed, self.scales, self.mins, self.group_size
