@@ -159,10 +159,12 @@ def test_the_switch_is_checked(monkeypatch):
 
 def _greedy(monkeypatch, switch, prompts, **engine):
     monkeypatch.setenv("MINSERVE_PREFILL_ATTENTION", switch)
-    calls = []
-    inner = pa.prefill_attention
+    calls = []   # queries per sequence of every call (float32 chunks read the paged cache in place)
+    inner, paged = pa.prefill_attention, pa.prefill_attention_paged
     monkeypatch.setattr("minserve.attention.torch_paged.prefill_attention",
                         lambda *a, **k: calls.append(a[0].shape[0]) or inner(*a, **k))
+    monkeypatch.setattr("minserve.attention.torch_paged.prefill_attention_paged",
+                        lambda *a, **k: calls.append(a[0].shape[0] // len(a[3])) or paged(*a, **k))
     # A 64-token step budget: long prompts arrive in chunks, the later ones over cached context;
     # prefix caching makes the repeated prompt start from cached blocks.
     llm = LLM("smollm2-135m", max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory="64MiB",
