@@ -150,6 +150,7 @@ def test_speculation_keeps_it():
     ({"fused_decode": True}, "leave fused_decode unset"),
     ({"dtype": "bfloat16"}, "needs dtype='float32', got 'bfloat16'"),
     ({"device": "cuda"}, "needs the CPU kernels"),
+    ({"speculative_config": {"method": "draft_model", "num_speculative_tokens": 2}}, "n-gram speculation or none"),
     ({**A8, "device": "cuda"}, "CPU only"),   # int8 activations refuse a GPU first
     ({**A8, "batch_invariant": "yes"}, "batch_invariant must be True or False, got 'yes'"),
 ])

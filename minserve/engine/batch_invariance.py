@@ -25,9 +25,10 @@ What it costs (``benchmarks/bench_batch_invariance.py --cost``, SmolLM2, two thr
 prefill nothing for float32 and int8 activations (the row-invariant loops run near oneDNN's rate on
 long chunks), half for int4 weights with float inputs (no dequantized tiles); decode the fused step,
 0.3-0.6x its speed at batch 1 and 0.5-0.9x at batch 16 (docs/engine/sampling.md has the table).
-Speculative decoding keeps the property: proposals come from the request's own tokens, seeded
-draws do not depend on how many were proposed, and verification rows are rows like the others
-(tests/test_batch_invariance.py).
+N-gram speculation keeps the property: proposals come from the request's own tokens, seeded draws
+do not depend on how many were proposed, and verification rows are rows like the others
+(tests/test_batch_invariance.py). A draft model does not (its proposals are sampled from one
+generator that every request draws from), so the mode refuses it.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ def check_config(config) -> None:
                          "tiles from 16 rows on")
     if config.fused_decode:
         raise ValueError(f"{why} every step on the PyTorch path; leave fused_decode unset (or False)")
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        raise ValueError(f"{why} n-gram speculation or none: a draft model samples its proposals from "
+                         "one generator shared by every request, so a sampled request's tokens would "
+                         "depend on the others")
     config.fused_decode = False
 
 
