@@ -18,7 +18,7 @@ removes every such dependence on the CPU:
   count (not the dequantized tiles of long chunks), int8 activations in their own loops;
 - SwiGLU and RoPE run in C at every row count (kernels/token_ops.py), RMSNorm in PyTorch per row;
 - attention of every row, prompt chunk or decode row, goes through one kernel whose rows do not
-  depend on the call (``ms_prefill_attention_paged`` in kernels/prefill_attention.c);
+  depend on the call (``ms_prefill_attention_paged`` in kernels/prefill_attention_paged.h);
 - every step runs on the PyTorch path (``fused_decode`` off).
 
 What it costs (``benchmarks/bench_batch_invariance.py --cost``, SmolLM2, two threads, 2026-12-07):
