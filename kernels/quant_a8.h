@@ -430,7 +430,7 @@ static void a8_tile(const QWeight *w, int64_t r0, int64_t r1, Activations8 act, 
                 float lanes[8];
                 _mm256_storeu_ps(lanes, acc[b]);
                 for (int rr = 0; rr < n; rr++)
-                    store_row(y + (b0 + b) * ldy + h + rr, lanes[rr], w->bias, h + rr, accumulate);
+                    store_row(y + (b0 + b) * ldy + h + rr, lanes[rr], 1.0f, w->bias, h + rr, accumulate);
             }
         }
     }
@@ -459,7 +459,7 @@ int4_a8_tile(const QWeight *w, int64_t r0, int64_t r1, Activations8 act, float *
                 int64_t g = r * groups + k / per_group, blk = b * blocks + k;
                 acc += w->scales[g] * act.d[blk] * (float)dot + w->mins[g] * act.xsum[blk];
             }
-            store_row(y + b * ldy + r, acc, w->bias, r, accumulate);
+            store_row(y + b * ldy + r, acc, 1.0f, w->bias, r, accumulate);
         }
 }
 
@@ -477,7 +477,7 @@ int8_a8_tile(const QWeight *w, int64_t r0, int64_t r1, Activations8 act, float *
                 for (int i = 0; i < A8_BLOCK; i++) dot += c[i] * a[i];
                 acc += act.d[b * blocks + k] * (float)dot;
             }
-            store_row(y + b * ldy + r, acc * w->scales[r], w->bias, r, accumulate);
+            store_row(y + b * ldy + r, acc, w->scales[r], w->bias, r, accumulate);
         }
 }
 #endif

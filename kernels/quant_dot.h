@@ -102,8 +102,12 @@ static inline float hsum(vf16 v) {
 }
 #endif
 
-static inline void store_row(float *y, float v, const float *bias, int64_t r, int accumulate) {
-    if (bias) v += bias[r];
+/* y = v * scale + bias[r] (or y += that): one rounding, written as fmaf, because left to
+ * -ffp-contract=fast the compiler fused the multiply and the add in some of the per-batch-size
+ * copies of the loops and not in others, so an int8 row with a bias got other last bits at 1, 3 or
+ * 7 rows than at 16 (found by the batch-invariant mode's tests on a Qwen2 model with q/k/v biases). */
+static inline void store_row(float *y, float v, float scale, const float *bias, int64_t r, int accumulate) {
+    v = __builtin_fmaf(v, scale, bias ? bias[r] : 0.0f);
     if (accumulate) *y += v; else *y = v;
 }
 
@@ -212,7 +216,7 @@ static inline void store_pair(qacc acc[2][MAX_BATCH_PASS], float tail[2][MAX_BAT
                               float *y, int64_t ldy, const int nb, int accumulate) {
     for (int rr = 0; rr < 2 && r + rr < r1; rr++)
         for (int b = 0; b < nb; b++)
-            store_row(y + b * ldy + r + rr, (qacc_hsum(acc[rr][b]) + tail[rr][b]) * scale[rr], bias,
+            store_row(y + b * ldy + r + rr, qacc_hsum(acc[rr][b]) + tail[rr][b], scale[rr], bias,
                       r + rr, accumulate);
 }
 

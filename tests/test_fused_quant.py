@@ -342,7 +342,8 @@ def test_kernel_cache_key_covers_the_files_a_source_includes(tmp_path, monkeypat
     assert decode_files == {"decode.c", "decode_attention.h", "quant_dot.h", "quant_a8.h", "quant_a8_packed.h",
                             "quant_a8_tiles.h", "vmath.h", "amx_bf16.h"}
     assert {p.name for p in kernel_build.source_files("prefill_attention")} == {
-        "prefill_attention.c", "prefill_attention_amx.h", "amx_bf16.h", "quant_dot.h", "vmath.h"}
+        "prefill_attention.c", "prefill_attention_amx.h", "prefill_attention_paged.h", "amx_bf16.h", "quant_dot.h",
+        "vmath.h"}
     assert {p.name for p in kernel_build.source_files("bf16_gemm")} == {
         "bf16_gemm.c", "amx_bf16.h", "quant_dot.h", "vmath.h"}
     assert {p.name for p in kernel_build.source_files("quant")} == {"quant.c", "quant_dot.h", "quant_a8.h",
