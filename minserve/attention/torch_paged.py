@@ -15,9 +15,10 @@ kernels/triton/paged_decode.py, the fused C step) are where int8 KV can become s
 
 Prefill chunks in float32 on the CPU (at least ``MIN_QUERY_LEN`` queries) run their attention in C
 instead (kernels/prefill_attention.py: a flash attention about twice as fast as PyTorch's CPU SDPA,
-reading float32 or int8 blocks of the cache in place), and so do the rows of shorter groups, decode rows above all (kernels/paged_attention.py: the fused
-decode step's attention, reading the cache in place, int8 codes included); anything they do not
-take goes to SDPA as before.
+reading float32 or int8 blocks of the cache in place), and so do the rows of shorter groups, decode
+rows above all (kernels/paged_attention.py: the fused decode step's attention, reading the cache in
+place, int8 codes included); anything they do not take goes to SDPA as before. In the
+batch-invariant mode every group takes the flash kernel, whatever its length.
 """
 
 from __future__ import annotations
