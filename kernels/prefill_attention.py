@@ -156,6 +156,10 @@ def prefill_attention_paged(q: torch.Tensor, caches: tuple, tables: torch.Tensor
     if lens.numel() != n:
         raise ValueError(f"prefill_attention_paged: {lens.numel()} context lengths for {n} sequences")
     int8 = k_cache.dtype is torch.int8
+    pools = (k_cache, v_cache) + ((k_scales, v_scales) if int8 else ())
+    if any(t is None or not t.is_contiguous() or t.device.type != "cpu" for t in pools) or (
+            int8 and (k_scales.dtype, v_scales.dtype) != (torch.float32, torch.float32)):
+        return None   # the C code reads raw pointers: only the pool's own dense layout
     out = torch.empty_like(qc)
     ptr = lambda t: None if t is None else ctypes.c_void_p(t.data_ptr())  # noqa: E731
     rc = _library().ms_prefill_attention_paged(

@@ -81,6 +81,8 @@ def test_the_paged_entry_declines_what_it_does_not_take():
     table = torch.arange(4)[None]
     assert pa.prefill_attention_paged(torch.randn(3, 9, 32), caches, table, [0], 0.1) is None   # head size
     assert pa.prefill_attention_paged(torch.randn(3, 9, 64).bfloat16(), caches, table, [0], 0.1) is None
+    k, v, _, _ = caches
+    assert pa.prefill_attention_paged(torch.randn(3, 9, 64), (k.transpose(0, 1), v, None, None), table, [0], 0.1) is None
     with pytest.raises(ValueError, match="2 context lengths for 1 sequences"):
         pa.prefill_attention_paged(torch.randn(3, 9, 64), caches, table, [0, 1], 0.1)
 
