@@ -152,7 +152,7 @@ def prefill_attention_paged(q: torch.Tensor, caches: tuple, tables: torch.Tensor
         return None
     T = rows // n
     qc, tab = q.contiguous(), tables.to(torch.int64).contiguous()
-    lens = torch.tensor(list(context_lens), dtype=torch.int64)
+    lens = torch.as_tensor(context_lens, dtype=torch.int64)   # a tensor (AttentionGroup's) is not copied
     if lens.numel() != n:
         raise ValueError(f"prefill_attention_paged: {lens.numel()} context lengths for {n} sequences")
     int8 = k_cache.dtype is torch.int8

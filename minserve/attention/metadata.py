@@ -41,6 +41,12 @@ class AttentionGroup:
                             dtype=torch.long, device=self.kv_blocks.device)
 
     @functools.cached_property
+    def context_lens_tensor(self) -> torch.Tensor:
+        """[num_seqs] int64 on the CPU: the C attention kernels' copy of ``context_lens``, made once
+        a step (every layer reads the same)."""
+        return torch.tensor(self.context_lens, dtype=torch.int64)
+
+    @functools.cached_property
     def row_tables(self) -> torch.Tensor:
         """[num_seqs * query_len, blocks] each query row's block table (its sequence's)."""
         return self.kv_blocks.repeat_interleave(self.query_len, dim=0)

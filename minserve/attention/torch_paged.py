@@ -70,17 +70,16 @@ class TorchPagedAttention:
     def _group(self, q, caches, g) -> torch.Tensor:
         if self.batch_invariant:
             out = prefill_attention_paged(q.view(-1, self.num_heads, self.head_dim), caches, g.kv_blocks,
-                                          g.context_lens, self.scale)
+                                          g.context_lens_tensor, self.scale)
             if out is None:   # the engine checked the kernel applies (engine/batch_invariance.py)
                 raise RuntimeError("batch_invariant: the C attention kernel declined a step; its rows "
                                    "cannot be computed batch-invariantly")
             return out
         if g.query_len >= MIN_QUERY_LEN and applies(q, self.head_dim):
             # float32: the kernel reads the paged cache in place, the same bits as the gathered
-            # copies below without making them (a W4A8 mixed workload, 48 requests, three
-            # alternating rounds: 21.9-25.1 against 24.9-25.9 s); bfloat16: the copies.
+            # copies below without making them; bfloat16: the copies.
             out = prefill_attention_paged(q.view(-1, self.num_heads, self.head_dim), caches, g.kv_blocks,
-                                          g.context_lens, self.scale)
+                                          g.context_lens_tensor, self.scale)
             if out is None:
                 out = self._prefill_in_c(q, caches, g)
             if out is not None:
