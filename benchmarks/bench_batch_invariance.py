@@ -17,6 +17,7 @@ is (minserve/engine/batch_invariance.py).
 
     .venv/bin/python benchmarks/bench_batch_invariance.py [--model smollm2-135m --neighbour-tokens 300]
     .venv/bin/python benchmarks/bench_batch_invariance.py --cost   # what the recipe costs
+    .venv/bin/python benchmarks/bench_batch_invariance.py --attention   # decode rows' attention, both kernels
 
 ``--cost`` times what batch invariance costs instead: SwiGLU and RoPE in C against PyTorch's at a
 few rows (the C kernels take every row count since 2026-12-07), and, for float32, int4 and int4
@@ -89,6 +90,44 @@ def crowd(model: str, engine_args: dict) -> dict:
     del llm
     gc.collect()
     return {"max_nats": apart, "same_tokens": alone.token_ids == together.token_ids, "preempted": preempted}
+
+
+def attention_ms(context: int, rows: int = 16, rounds: int = 3) -> dict[str, tuple[float, float]]:
+    """One layer of SmolLM2's decode-row attention (9 heads, 3 kv heads, 64 wide), ``rows``
+    sequences at ``context`` tokens, float32 and int8 caches: (the decode kernel the default path
+    uses, the flash kernel the batch-invariant mode uses) in ms, best of 20 calls, the fastest of
+    ``rounds`` alternating rounds."""
+    import torch
+
+    from minserve.kernels import paged_attention as paged
+    from minserve.kernels.prefill_attention import prefill_attention_paged
+    from minserve.kernels.triton.reference import quantize_kv_int8
+    H, Hkv, D, bs = 9, 3, 64, 16
+    per_seq = (context + bs) // bs + 1
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(rows * per_seq * bs, Hkv, D, generator=g) for _ in range(2))
+    q = torch.randn(rows, H, D, generator=g)
+    tables = torch.arange(rows * per_seq).view(rows, per_seq)
+    lens, positions = torch.full((rows,), context), torch.full((rows,), context)
+    shape = (rows * per_seq, bs, Hkv)
+    (kc, ks), (vc, vs) = quantize_kv_int8(k), quantize_kv_int8(v)
+    caches = {"float32": (k.view(*shape, D), v.view(*shape, D), None, None),
+              "int8": (kc.view(*shape, D), vc.view(*shape, D), ks.float().view(shape), vs.float().view(shape))}
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times) * 1e3
+    out = {}
+    for name, c in caches.items():
+        runs = [(best(lambda: paged.paged_attention(q, c, tables, positions, 0.125)),
+                 best(lambda: prefill_attention_paged(q, c, tables, lens, 0.125))) for _ in range(rounds)]
+        out[name] = (min(r[0] for r in runs), min(r[1] for r in runs))
+    return out
 
 
 def token_ops_us(rows: int, calls: int = 2000) -> tuple[float, float]:
@@ -167,9 +206,17 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--neighbour-tokens", type=int, default=300, help="words in the prompt beside each one (enough for a step of 256 tokens or more)")
     ap.add_argument("--cost", action="store_true", help="time the batch-invariant recipe's cost instead")
+    ap.add_argument("--attention", action="store_true",
+                    help="time one layer's decode-row attention, the default kernel against the mode's, instead")
     args = ap.parse_args()
     if args.cost:
         return cost(args.model)
+    if args.attention:
+        print("| context | cache | decode kernel (ms) | flash kernel, the mode's (ms) |\n| --- | --- | --- | --- |")
+        for context in (100, 500, 2000):
+            for name, (dec, flash) in attention_ms(context).items():
+                print(f"| {context} | {name} | {dec:.3f} | {flash:.3f} |")
+        return None
     neighbour = "x " * args.neighbour_tokens
     rows = {name: measure(args.model, kw, neighbour) for name, kw in SETTINGS.items()}
     print("| setting | largest difference (nats, top 20) | prompts bit for bit the same |")

@@ -206,21 +206,33 @@ typedef struct {
  * scale is one float32 rounding, as PyTorch's dequantization. */
 static void paged_key_block(const KeySource *ks, int64_t Hkv, int64_t D, int64_t kvh, int64_t key0,
                             int64_t nk, float *tk, float *tv) {
-    for (int64_t j = 0; j < nk; j++) {
+    const char *krow[KEY_BLOCK];   /* each key's row of D codes or floats, and its scale */
+    float sk[KEY_BLOCK];
+    const int64_t esz = ks->kv_int8 ? 1 : 4;
+    for (int64_t j = 0; j < nk; j++) {   /* values as rows; keys found, read below */
         int64_t t = key0 + j, slot = ks->paged[t / ks->block_size] * ks->block_size + t % ks->block_size;
         int64_t at = (slot * Hkv + kvh) * D;
+        krow[j] = (const char *)ks->k_cache + at * esz;
         if (ks->kv_int8) {
-            const int8_t *kc = (const int8_t *)ks->k_cache + at, *vc = (const int8_t *)ks->v_cache + at;
-            float sk = ks->k_scales[slot * Hkv + kvh], sv = ks->v_scales[slot * Hkv + kvh];
-            for (int64_t d = 0; d < D; d++) tk[d * KEY_BLOCK + j] = (float)kc[d] * sk, tv[j * D + d] = (float)vc[d] * sv;
+            const int8_t *vc = (const int8_t *)ks->v_cache + at;
+            float sv = ks->v_scales[slot * Hkv + kvh];
+            sk[j] = ks->k_scales[slot * Hkv + kvh];
+            for (int64_t d = 0; d < D; d++) tv[j * D + d] = (float)vc[d] * sv;
         } else {
-            const float *kc = (const float *)ks->k_cache + at, *vc = (const float *)ks->v_cache + at;
-            for (int64_t d = 0; d < D; d++) tk[d * KEY_BLOCK + j] = kc[d];
-            memcpy(tv + j * D, vc, D * sizeof(float));
+            memcpy(tv + j * D, (const float *)ks->v_cache + at, D * sizeof(float));
         }
     }
-    for (int64_t d = 0; d < D; d++)
-        for (int64_t j = nk; j < KEY_BLOCK; j++) tk[d * KEY_BLOCK + j] = 0.0f;
+    /* The transpose a column of KEY_BLOCK keys at a time: contiguous stores, the rows' reads in L1
+     * after the first column (writing a row's D values a column apart spilled L1: 2000-token
+     * contexts of float32 keys ran 5x the decode kernel's time, bench_batch_invariance.py --attention). */
+    for (int64_t d = 0; d < D; d++) {
+        float *col = tk + d * KEY_BLOCK;
+        if (ks->kv_int8)
+            for (int64_t j = 0; j < nk; j++) col[j] = (float)((const int8_t *)krow[j])[d] * sk[j];
+        else
+            for (int64_t j = 0; j < nk; j++) col[j] = ((const float *)krow[j])[d];
+        for (int64_t j = nk; j < KEY_BLOCK; j++) col[j] = 0.0f;
+    }
 }
 
 /* One work item: kv head kvh, positions q_offset + t0 .. + nq - 1 (nq <= QUERY_BLOCK) of query
