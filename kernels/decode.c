@@ -106,12 +106,39 @@ typedef struct {
     const LayerPtrs *layers;
 } ModelPtrs;
 
+/* prefill_attention.c's ms_prefill_attention_paged (another library: the caller passes its address). */
+typedef int64_t (*PagedFlashFn)(const float *q, const void *k_cache, const void *v_cache,
+                                const float *k_scales, const float *v_scales, int64_t kv_int8,
+                                int64_t block_size, const int64_t *tables, int64_t table_stride,
+                                const int64_t *context_lens, int64_t n, int64_t T, int64_t H,
+                                int64_t Hkv, int64_t D, float scale, float *out, int64_t nthreads);
+
+/* The batch-invariant mode's attention (decode_attention.h, flash_attention_block): every row of
+ * the step, prompt chunk or decode row, through the paged flash kernel, whose bits for a row do not
+ * depend on the rest of its call, in place of this file's decode kernel (which computes the same
+ * formula with other roundings, so a token would get other bits as a prompt row after a preemption
+ * than as the decode row it was). The kernel takes sequences of equal query counts at a time:
+ * the step's sequences come sorted into such groups. */
+typedef struct {
+    PagedFlashFn attend;
+    int64_t n_groups;
+    const int64_t *groups;        /* [n_groups, 3]: first sequence, sequences, queries each */
+    const int64_t *first_row;     /* per sequence, in group order: its first query's row in the step */
+    const int64_t *context_lens;  /* per sequence: keys before its first query */
+    const int64_t *tables;        /* [sequences, table_stride]: block tables */
+    int64_t table_stride;
+    float *q, *out;               /* [rows, heads * head_dim]: a group's queries gathered, its output */
+    float *final_hidden;          /* NULL, or [rows, hidden]: every row after the final norm, for
+                                     prompt logprobs through the same LM head (ms_weight_matmul) */
+} FlashPlan;
+
 typedef struct {   /* caller-owned scratch, sized for the most rows and the longest context */
     float *h, *x, *qkv, *attn, *gate_up, *act;
     float *xs;               /* rows x (max(hidden, heads * head_dim, intermediate) + 1): int4's x
                                 order, or int8 activations (matmul) */
     float *scores;
     int64_t scores_stride;   /* floats per (row, head) of scores: >= longest context */
+    const FlashPlan *flash;  /* NULL: the decode kernel's attention; else the flash kernel's */
 } Scratch;
 
 /* Where a step's time goes (benchmarks/bench_quant.py): seconds per part, summed over the steps
@@ -536,8 +563,9 @@ static void silu_mul(const float *gate_up, float *out, int64_t B, int64_t inter)
 /* One step over B rows (tokens; see the top of this file): embeddings in, logits of the given rows
  * out. The scratch buffers hold at least B rows, and n_logits <= B (checked in kernels/decode.py).
  * nthreads: the OpenMP team size of every parallel region (<= 0: the caller's default, PyTorch's
- * thread count). Returns the team size the regions ran with, so the caller can check it, or -1
- * (nothing computed) when a weight or cache format is not one this file implements. */
+ * thread count). Returns the team size the regions ran with, so the caller can check it, -1
+ * (nothing computed) when a weight or cache format is not one this file implements, or -2 when the
+ * flash kernel (s->flash) declined a group (its cache format, its head sizes, or out of memory). */
 int64_t ms_decode_step(const ModelPtrs *m, const Scratch *s, int64_t B, const int64_t *token_ids,
                        const int64_t *positions, const int64_t *tables, int64_t table_stride,
                        const int64_t *logit_rows, int64_t n_logits, float *logits, int64_t nthreads) {
@@ -560,7 +588,11 @@ int64_t ms_decode_step(const ModelPtrs *m, const Scratch *s, int64_t B, const in
         matmul(&L->qkv, s->x, s->xs, s->qkv, B, E, qkv_dim, 0, nt);
         add_time(PART_WEIGHTS, t);
         t = clock_now();
-        attention_block(m, L, s, B, positions, tables, table_stride, nt);
+        if (s->flash) {
+            if (flash_attention_block(m, L, s, B, positions, tables, table_stride, nt)) return -2;
+        } else {
+            attention_block(m, L, s, B, positions, tables, table_stride, nt);
+        }
         add_time(PART_ATTENTION, t);
         t = clock_now();
         matmul(&L->o_proj, s->attn, s->xs, s->h, B, H * D, E, 1, nt);      /* h += o_proj(attn) */
@@ -576,6 +608,9 @@ int64_t ms_decode_step(const ModelPtrs *m, const Scratch *s, int64_t B, const in
     }
     for (int64_t r = 0; r < n_logits; r++)
         ms_rms_norm(s->h + logit_rows[r] * E, m->final_norm, s->x + r * E, 1, E, m->eps);
+    if (s->flash && s->flash->final_hidden)   /* row by row, as the logit rows above */
+        for (int64_t b = 0; b < B; b++)
+            ms_rms_norm(s->h + b * E, m->final_norm, s->flash->final_hidden + b * E, 1, E, m->eps);
     t = clock_now();
     int64_t team = matmul(&m->lm_head, s->x, s->xs, logits, n_logits, E, m->vocab, 0, nt);
     add_time(PART_LM_HEAD, t);

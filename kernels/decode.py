@@ -35,6 +35,7 @@ import ctypes
 import torch
 
 from minserve.kernels.build import KernelUnavailable, env_choice, load
+from minserve.kernels.decode_flash import FlashPlan, FlashSequences, flash_reason
 from minserve.kernels.formats import DENSE
 
 _f32p = ctypes.POINTER(ctypes.c_float)
@@ -79,7 +80,7 @@ class _ModelPtrs(ctypes.Structure):
 
 class _Scratch(ctypes.Structure):
     _fields_ = ([(n, _f32p) for n in ("h", "x", "qkv", "attn", "gate_up", "act", "xs", "scores")]
-                + [("scores_stride", _I64)])
+                + [("scores_stride", _I64), ("flash", ctypes.POINTER(FlashPlan))])
 
 
 def amx_wanted() -> bool:
@@ -333,10 +334,12 @@ class FusedDecoder:
     ``max_rows``: the most rows (tokens) one step may hold; the scratch buffers are sized for it.
     ``max_batch`` is the older, decode-only spelling (one row per sequence): with it,
     :meth:`supports` accepts only steps whose every query length is 1, as it always did.
+    ``flash``: attend through the paged flash kernel, the batch-invariant mode's
+    (kernels/decode_flash.py); each call then takes the step's :class:`FlashSequences`.
     """
 
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, ...]],
-                 max_rows: int | None = None, *, max_batch: int | None = None):
+                 max_rows: int | None = None, *, max_batch: int | None = None, flash: bool = False):
         if (max_rows is None) == (max_batch is None):
             raise TypeError("FusedDecoder takes max_rows (or the older max_batch), exactly one")
         limit = max_rows if max_rows is not None else max_batch
@@ -365,6 +368,21 @@ class FusedDecoder:
         self._buffers = {n: torch.empty(limit, size) for n, size in sizes.items()}
         self._scores = torch.empty(0)
         self._scratch = _Scratch(*[_ptr(self._buffers[n]) for n in sizes], _ptr(self._scores), 0)
+        self.flash = flash
+        if flash:
+            self._bind_flash(cfg, kv_caches, limit)
+
+    def _bind_flash(self, cfg, kv_caches, rows: int) -> None:
+        reason = flash_reason(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kv_caches[0][0].dtype)
+        if reason is not None:
+            raise KernelUnavailable(reason)
+        attend = load("prefill_attention").ms_prefill_attention_paged
+        width = cfg.num_heads * cfg.head_dim
+        self._flash_buffers = {n: torch.empty(rows, width) for n in ("q", "out")}
+        self._hidden = torch.empty(rows, cfg.hidden_size)   # final_hidden, when a step asks for it
+        self._plan = FlashPlan(attend=ctypes.cast(attend, ctypes.c_void_p).value,
+                               q=_ptr(self._flash_buffers["q"]), out=_ptr(self._flash_buffers["out"]))
+        self._scratch.flash = ctypes.pointer(self._plan)
 
     @property
     def max_batch(self) -> int:  # the older name: rows were sequences when every step was a decode
@@ -391,7 +409,8 @@ class FusedDecoder:
         self._scratch.scores, self._scratch.scores_stride = _ptr(self._scores), stride
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-                 logits_indices: torch.Tensor, num_threads: int = 0) -> torch.Tensor:
+                 logits_indices: torch.Tensor, num_threads: int = 0,
+                 sequences: FlashSequences | None = None, final_hidden: bool = False) -> torch.Tensor:
         """Rows: tokens [T] at positions [T], block tables [T, n] (one per row, int64) ->
         logits [len(logits_indices), vocab] of the rows ``logits_indices``.
 
@@ -399,21 +418,48 @@ class FusedDecoder:
         :func:`rows_block_tables`); row j at position p attends keys 0..p.
         ``num_threads``: the OpenMP team size of the step's parallel regions (0: PyTorch's current
         thread count); the engine lowers it when other processes take cores (engine/threads.py).
+        With ``flash``: ``sequences`` describes the step's sequences for the flash kernel, and
+        ``final_hidden`` returns (logits, every row after the final norm [T, hidden]) for
+        :meth:`lm_head` (prompt logprobs).
         """
         # Named locals: the C call reads raw pointers, so every tensor must outlive it.
         ids, pos = input_ids.contiguous(), positions.contiguous()
         tables, rows = block_tables.contiguous(), logits_indices.contiguous()
         last_position = self._check(ids, pos, tables, rows)
-        self._ensure_scores(ids.shape[0], last_position + 1)
+        if self.flash:
+            if sequences is None:
+                raise ValueError("a flash FusedDecoder's step needs its FlashSequences")
+            sequences.check(ids.shape[0], self._blocks)
+            sequences.point(self._plan)
+            self._plan.final_hidden = _ptr(self._hidden) if final_hidden else _f32p()
+        else:
+            self._ensure_scores(ids.shape[0], last_position + 1)
         logits = torch.empty(rows.shape[0], self._model.vocab)
         team = self._lib.ms_decode_step(
             ctypes.byref(self._model), ctypes.byref(self._scratch), _I64(ids.shape[0]),
             _ptr(ids, _i64p), _ptr(pos, _i64p), _ptr(tables, _i64p), _I64(tables.shape[1]),
             _ptr(rows, _i64p), _I64(rows.shape[0]), _ptr(logits), _I64(max(0, int(num_threads))))
+        if team == -2:
+            raise RuntimeError("ms_decode_step: the flash attention kernel declined a group of sequences")
         if team < 0:  # decode.c's own format check; _bind checked the same before, so a bug here
             raise RuntimeError("ms_decode_step refused the bound weights or KV cache formats")
         self.last_team_size = team
-        return logits
+        return (logits, self._hidden[:ids.shape[0]]) if self.flash and final_hidden else logits
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of rows already through the final norm ([rows, hidden] float32, e.g. a flash
+        step's ``final_hidden``), by the step's own LM head product (its loops, whose sum for one
+        row does not depend on the row count): the same bits as the step's logit rows."""
+        x = hidden.contiguous()
+        if x.dim() != 2 or x.shape[1] != self._model.hidden or x.dtype != torch.float32:
+            raise ValueError(f"hidden rows must be float32 [rows, {self._model.hidden}], got "
+                             f"{x.dtype} {tuple(x.shape)}")
+        y = torch.empty(x.shape[0], self._model.vocab)
+        xs = torch.empty(x.shape[0], x.shape[1] + 1)   # int4's input order or int8 activations
+        if x.shape[0]:
+            self._lib.ms_weight_matmul(ctypes.byref(self._model.lm_head), _ptr(x), _ptr(xs), _ptr(y),
+                                       _I64(x.shape[0]), _I64(x.shape[1]), _I64(self._model.vocab), 0)
+        return y
 
     def step_profile(self, clock: str | None) -> dict[str, float]:
         """Seconds spent per part (``STEP_PARTS``: block weight matmuls, LM head, attention, the

@@ -421,24 +421,57 @@ static void attend_rows(const ModelPtrs *m, const LayerPtrs *L, const float *q, 
  * read row j-1's slot before that row's thread wrote it.) Phase 1 is split over the team too:
  * every row writes its own slot. Serial, it left one core spinning while the other rotated and
  * wrote 16 rows, in each of 30 layers (perf, Intel Xeon, batch 16). */
+static inline void rope_and_write_row(const ModelPtrs *m, const LayerPtrs *L, const Scratch *s, int64_t b,
+                                      const int64_t *positions, const int64_t *tables, int64_t table_stride) {
+    int64_t H = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim, bs = m->block_size;
+    float *row = s->qkv + b * (H + 2 * Hkv) * D;
+    int64_t pos = positions[b];
+    rope(row, H + Hkv, D, m->cos + pos * D, m->sin_signed + pos * D);  /* q and k heads adjoin */
+    write_kv(m, L, tables[b * table_stride + pos / bs] * bs + pos % bs, row + H * D, row + (H + Hkv) * D);
+}
+
 static void attention_block(const ModelPtrs *m, const LayerPtrs *L, const Scratch *s, int64_t B,
                             const int64_t *positions, const int64_t *tables, int64_t table_stride,
                             int nthreads) {
-    int64_t H = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim, bs = m->block_size;
-    int64_t qkv_dim = (H + 2 * Hkv) * D;
+    int64_t qkv_dim = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
     #pragma omp parallel num_threads(nthreads)
     {
         #pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; b++) {   /* phase 1; the loop's end is a barrier */
-            float *row = s->qkv + b * qkv_dim;
-            int64_t pos = positions[b];
-            rope(row, H + Hkv, D, m->cos + pos * D, m->sin_signed + pos * D);  /* q and k heads adjoin */
-            write_kv(m, L, tables[b * table_stride + pos / bs] * bs + pos % bs, row + H * D,
-                     row + (H + Hkv) * D);
-        }
+        for (int64_t b = 0; b < B; b++)   /* phase 1; the loop's end is a barrier */
+            rope_and_write_row(m, L, s, b, positions, tables, table_stride);
         attend_rows(m, L, s->qkv, qkv_dim, B, positions, tables, table_stride, s->scores, s->scores_stride,
                     s->attn, nthreads);
     }
+}
+
+/* attention_block for the batch-invariant mode (FlashPlan, in decode.c): the same phase 1, then
+ * each group of sequences with equal query counts through the paged flash kernel, its queries
+ * gathered into one buffer and its output put back in the step's rows. Returns 0, or 1 when the
+ * kernel declined a group (nothing is left half-written that a caller would read: the step fails). */
+static int flash_attention_block(const ModelPtrs *m, const LayerPtrs *L, const Scratch *s, int64_t B,
+                                 const int64_t *positions, const int64_t *tables, int64_t table_stride,
+                                 int nthreads) {
+    const FlashPlan *f = s->flash;
+    if (m->kv_format != KV_F32 && m->kv_format != KV_INT8) return 1;   /* the kernel reads these two */
+    int64_t HD = m->num_heads * m->head_dim, qkv_dim = HD + 2 * m->num_kv_heads * m->head_dim;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < B; b++)
+        rope_and_write_row(m, L, s, b, positions, tables, table_stride);
+    for (int64_t g = 0; g < f->n_groups; g++) {
+        int64_t first = f->groups[3 * g], n = f->groups[3 * g + 1], T = f->groups[3 * g + 2];
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t t = 0; t < T; t++)
+                memcpy(f->q + (i * T + t) * HD, s->qkv + (f->first_row[first + i] + t) * qkv_dim,
+                       HD * sizeof(float));
+        if (f->attend(f->q, L->k_cache, L->v_cache, L->k_scales, L->v_scales, m->kv_format == KV_INT8,
+                      m->block_size, f->tables + first * f->table_stride, f->table_stride,
+                      f->context_lens + first, n, T, m->num_heads, m->num_kv_heads, m->head_dim,
+                      m->scale, f->out, nthreads) != 0)
+            return 1;
+        for (int64_t i = 0; i < n; i++)
+            memcpy(s->attn + f->first_row[first + i] * HD, f->out + i * T * HD, T * HD * sizeof(float));
+    }
+    return 0;
 }
 
 /* Attention of B query rows (float32 [B, H, D]) over a paged KV cache whose new keys and values

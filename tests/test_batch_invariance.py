@@ -87,20 +87,32 @@ def test_the_paged_entry_declines_what_it_does_not_take():
         pa.prefill_attention_paged(torch.randn(3, 9, 64), caches, table, [0, 1], 0.1)
 
 
-def _crowd_run(model, prompt, weights=A8, **engine):
+def _crowd_run(model, prompt, weights=A8, threads=(1, 1), **engine):
     """A seeded request alone on one engine, then on a fresh one behind a request sharing its first
     64 tokens (a prefix-cache hit), beside others in a pool small enough that it is preempted, with
-    a token budget that cuts its prompt elsewhere. Returns (alone, together, its requests_frame row)."""
+    a token budget that cuts its prompt elsewhere; ``threads``: the team size of each run (the
+    engine lowers it when other processes take a core). Returns (alone, together, its
+    requests_frame row)."""
     mk = lambda: LLM(str(model), num_kv_blocks=24, block_size=16, max_num_seqs=5, max_num_batched_tokens=40,  # noqa: E731
                      max_model_len=256, device="cpu", seed=0, enable_prefix_caching=True,
                      kv_cache_dtype="int8", **weights, **engine)
     seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=40, logprobs=5, ignore_eos=True)
-    alone = mk().generate([{"prompt_token_ids": prompt}], seeded, use_tqdm=False)[0].outputs[0]
-    llm = mk()
-    crowd = [prompt[:64] + [7, 8, 9]] + [[(29 * i + j) % 900 + 3 for i in range(20 + 15 * j)] for j in range(3)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in crowd + [prompt]],
-                        [SamplingParams(max_tokens=90, ignore_eos=True)] * 4 + [seeded], use_tqdm=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads[0])
+        alone = mk().generate([{"prompt_token_ids": prompt}], seeded, use_tqdm=False)[0].outputs[0]
+        torch.set_num_threads(threads[1])
+        llm = mk()
+        crowd = [prompt[:64] + [7, 8, 9]] + [[(29 * i + j) % 900 + 3 for i in range(20 + 15 * j)] for j in range(3)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in crowd + [prompt]],
+                            [SamplingParams(max_tokens=90, ignore_eos=True)] * 4 + [seeded], use_tqdm=False)
+    finally:
+        torch.set_num_threads(before)
     return alone, outs[-1].outputs[0], llm.llm_engine.requests_frame().iloc[-1]
+
+
+def _executors(llm) -> list[str]:
+    return [e.name for e in llm.llm_engine.runner.executors]
 
 
 def _numbers(out):
@@ -116,10 +128,43 @@ FORMATS = {"float32": {}, "int8": {"quantization": "int8"}, "int4": {"quantizati
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("weights", FORMATS.values(), ids=FORMATS.keys())
 def test_a_seeded_request_is_bit_for_bit_the_same_alone_and_in_a_crowd(model_dirs, arch, weights):
-    alone, together, row = _crowd_run(model_dirs[arch], PROMPT, weights, batch_invariant=True)
+    """Every step in the fused C step (the mode's default), alone at one thread, in the crowd at two."""
+    alone, together, row = _crowd_run(model_dirs[arch], PROMPT, weights, threads=(1, 2), batch_invariant=True)
     assert row.num_preemptions >= 1   # the run went through a recompute, not only other chunks
     assert together.token_ids == alone.token_ids
     assert _numbers(together) == _numbers(alone)
+
+
+@pytest.mark.parametrize("weights", [FORMATS["float32"], A8], ids=["float32", "int4-a8"])
+def test_on_the_pytorch_path_too(model_dirs, weights):
+    """``fused_decode=False``: every step on the PyTorch path, in its row-invariant loops."""
+    alone, together, row = _crowd_run(model_dirs["qwen2-biases"], PROMPT, weights, threads=(2, 1),
+                                      batch_invariant=True, fused_decode=False)
+    assert row.num_preemptions >= 1
+    assert together.token_ids == alone.token_ids
+    assert _numbers(together) == _numbers(alone)
+
+
+def test_every_step_of_the_mode_runs_in_one_executor(model_dir):
+    """Prompt chunks, decode rows and prompt logprobs alike: a step on another path would give
+    its rows other roundings. The PyTorch path only when asked for (or where C cannot run)."""
+    assert _executors(LLM(str(model_dir), batch_invariant=True, num_kv_blocks=24)) == ["fused-cpu-invariant"]
+    assert _executors(LLM(str(model_dir), batch_invariant=True, fused_decode=True, num_kv_blocks=24)) == [
+        "fused-cpu-invariant"]
+    assert _executors(LLM(str(model_dir), batch_invariant=True, fused_decode=False, num_kv_blocks=24)) == ["torch"]
+
+
+def test_prompt_logprobs_are_the_same_alone_and_beside_others(model_dir):
+    """Prompt rows' logprobs come from the fused step's own final hidden rows and LM head loops."""
+    params = SamplingParams(max_tokens=4, logprobs=3, prompt_logprobs=2, temperature=0)
+    mk = lambda: LLM(str(model_dir), batch_invariant=True, num_kv_blocks=24, max_num_batched_tokens=48,  # noqa: E731
+                     max_model_len=256, device="cpu")
+    alone = mk().generate([{"prompt_token_ids": PROMPT[:90]}], params, use_tqdm=False)[0]
+    others = [{"prompt_token_ids": [(7 * i + j) % 800 + 2 for i in range(30 + 9 * j)]} for j in range(3)]
+    together = mk().generate(others + [{"prompt_token_ids": PROMPT[:90]}], params, use_tqdm=False)[-1]
+    pl = lambda o: [None if d is None else {t: lp.logprob for t, lp in d.items()} for d in o.prompt_logprobs]  # noqa: E731
+    assert pl(together) == pl(alone) and len(alone.prompt_logprobs) == 90
+    assert _numbers(together.outputs[0]) == _numbers(alone.outputs[0])
 
 
 def test_without_the_mode_the_same_crowd_moves_the_logprobs(model_dir):
@@ -161,7 +206,6 @@ def test_speculation_keeps_it():
 
 @pytest.mark.parametrize("engine, message", [
     ({"fp32_matmul_precision": "high"}, "needs fp32_matmul_precision='highest'"),
-    ({"fused_decode": True}, "leave fused_decode unset"),
     ({"dtype": "bfloat16"}, "needs dtype='float32', got 'bfloat16'"),
     ({"device": "cuda"}, "needs the CPU kernels"),
     ({"speculative_config": {"method": "draft_model", "num_speculative_tokens": 2}}, "n-gram speculation or none"),
@@ -173,8 +217,7 @@ def test_the_mode_names_what_conflicts(engine, message):
         EngineConfig(model="tiny-llama", **{"batch_invariant": True, **engine})
 
 
-def test_the_mode_turns_the_fused_step_off_and_the_server_takes_the_flag():
+def test_the_server_takes_the_flag():
     from minserve.server.cli import build_parser
-    assert EngineConfig(model="tiny-llama", batch_invariant=True, **A8).fused_decode is False
     args = build_parser().parse_args(["--batch-invariant", "--quantization", "int4"])
     assert args.batch_invariant is True

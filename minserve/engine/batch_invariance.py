@@ -12,14 +12,21 @@ they move a lot: a value that lands on the other side of a rounding boundary cha
 ``EngineConfig(batch_invariant=True)`` (``--batch-invariant``; vLLM's ``VLLM_BATCH_INVARIANT``)
 removes every such dependence on the CPU:
 
-- every weight product runs in C loops whose sum for one row is fixed whatever the row count:
-  float32 weights in decode.c's dense loops (oneDNN and MKL block by the row count: a row's last
-  bits moved with its neighbours, 1.8e-5 nats), int8/int4 weights in quant.c's loops at every row
-  count (not the dequantized tiles of long chunks), int8 activations in their own loops;
-- SwiGLU and RoPE run in C at every row count (kernels/token_ops.py), RMSNorm in PyTorch per row;
-- attention of every row, prompt chunk or decode row, goes through one kernel whose rows do not
-  depend on the call (``ms_prefill_attention_paged`` in kernels/prefill_attention_paged.h);
-- every step runs on the PyTorch path (``fused_decode`` off).
+- every step, prompt chunks, decode and verify rows and prompt logprobs alike, runs in one
+  executor: the fused C step (kernels/decode.c; engine/fused_step.py's InvariantFusedExecutor),
+  whose products, norms, RoPE and SwiGLU are computed row by row in loops whose sum for one row is
+  fixed whatever the row count and the thread count (oneDNN and MKL block by the row count: a row's
+  last bits moved with its neighbours, 1.8e-5 nats);
+- attention of every row goes through one kernel whose rows do not depend on the call
+  (``ms_prefill_attention_paged`` in kernels/prefill_attention_paged.h), called from the fused step
+  (kernels/decode_flash.py), not the decode kernel: a token is computed as a decode row and again
+  as a prompt row when its sequence is preempted and recomputed, and the two must agree;
+- where the fused step cannot run (``fused_decode=False``, a model class it does not compute, no C
+  compiler for it), every step runs on the PyTorch path instead, with the same kernel for attention,
+  float32 weights in decode.c's dense loops (``ms_matmul``), int8/int4 weights in quant.c's loops
+  at every row count (not the dequantized tiles of long chunks), SwiGLU and RoPE in C
+  (kernels/token_ops.py) and RMSNorm per row. Each path is invariant; the two differ in the last
+  bits from each other, so one engine uses one.
 
 What it costs (``benchmarks/bench_batch_invariance.py --cost``, SmolLM2, two threads, 2026-12-07):
 prefill nothing for float32 and int8 activations (the row-invariant loops run near oneDNN's rate on
@@ -50,14 +57,11 @@ def check_config(config) -> None:
     if config.fp32_matmul_precision != "highest":
         raise ValueError(f"{why} fp32_matmul_precision='highest': 'high' multiplies on the AMX "
                          "tiles from 16 rows on")
-    if config.fused_decode:
-        raise ValueError(f"{why} every step on the PyTorch path; leave fused_decode unset (or False)")
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":
         raise ValueError(f"{why} n-gram speculation or none: a draft model samples its proposals from "
                          "one generator shared by every request, so a sampled request's tokens would "
                          "depend on the others")
-    config.fused_decode = False
 
 
 def make_row_invariant(model) -> int:

@@ -17,6 +17,7 @@ from minserve.attention.backend import StepSequences
 from minserve.engine.step_executor import StepExecutor
 from minserve.kernels.build import KernelUnavailable
 from minserve.kernels.decode import FusedDecoder, rows_block_tables, unsupported_reason
+from minserve.kernels.decode_flash import FlashSequences
 
 log = logging.getLogger("minserve")
 
@@ -24,6 +25,7 @@ log = logging.getLogger("minserve")
 @dataclass
 class FusedStepMetadata:
     block_tables: torch.Tensor   # [num_tokens, max_blocks] int64: each token's sequence's table
+    sequences: FlashSequences | None = None   # the batch-invariant executor's: for its attention
 
 
 class FusedCpuExecutor(StepExecutor):
@@ -57,6 +59,57 @@ class FusedCpuExecutor(StepExecutor):
 
     def run(self, input_ids, positions, metadata: FusedStepMetadata, logits_indices, num_threads):
         return self.decoder(input_ids, positions, metadata.block_tables, logits_indices, num_threads)
+
+
+class InvariantFusedExecutor(FusedCpuExecutor):
+    """The batch-invariant mode's fused step (kernels/decode_flash.py): every step, prompt chunks
+    included, in C, each row's attention through the paged flash kernel. It takes any step the
+    scheduler's token budget allows, and gives the final hidden rows for prompt logprobs, so that
+    no step of the mode leaves it for the PyTorch path (whose roundings differ)."""
+
+    name = "fused-cpu-invariant"
+    takes_prompt_rows = True
+
+    def unsupported_reason(self, seqs: StepSequences) -> str | None:
+        if not seqs.query_lens:
+            return "empty step"
+        if seqs.num_tokens > self.decoder.max_rows:   # the scheduler's budget keeps it out
+            return f"{seqs.num_tokens} tokens exceed the kernel's scratch of {self.decoder.max_rows} rows"
+        return None
+
+    def build_metadata(self, seqs: StepSequences) -> FusedStepMetadata:
+        return FusedStepMetadata(super().build_metadata(seqs).block_tables,
+                                 FlashSequences.build(seqs.query_lens, seqs.context_lens, seqs.block_tables))
+
+    def run(self, input_ids, positions, metadata: FusedStepMetadata, logits_indices, num_threads,
+            final_hidden: bool = False):
+        return self.decoder(input_ids, positions, metadata.block_tables, logits_indices, num_threads,
+                            sequences=metadata.sequences, final_hidden=final_hidden)
+
+    def lm_head(self, hidden):
+        return self.decoder.lm_head(hidden)
+
+
+def invariant_fused_decoder(model, kv_caches, config, max_query_len: int) -> FusedDecoder | None:
+    """The batch-invariant mode's fused step (every step in C), or None where it cannot run (the
+    mode then runs every step on the PyTorch path; ``fused_decode=True`` makes that an error)."""
+    if config.fused_decode is False:
+        return None
+    reason = fused_model_reason(model) or unsupported_reason(model, kv_caches)
+    if reason is None:
+        try:
+            rows = max(config.max_num_batched_tokens, config.max_num_seqs * max_query_len)
+            fused = FusedDecoder(model, kv_caches, max_rows=rows, flash=True)
+            log.info("batch_invariant: every step runs in the fused C kernel (%s), attention in the "
+                     "flash kernel", fused.library_name)
+            return fused
+        except KernelUnavailable as e:
+            reason = str(e)
+    if config.fused_decode:
+        raise ValueError(f"batch_invariant=True with fused_decode=True, but the fused step cannot run "
+                         f"here: {reason}")
+    log.info("batch_invariant: every step runs on the PyTorch path (the fused step cannot: %s)", reason)
+    return None
 
 
 def fused_decoder(model, kv_caches, config, max_query_len: int) -> FusedDecoder | None:

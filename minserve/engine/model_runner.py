@@ -34,7 +34,7 @@ from minserve.engine.kv_cache import KVCacheManager, KVCacheSpec, LayerKV, alloc
 from minserve.engine.memory import DeviceMemory, DeviceMemoryReader, measure_device_memory, snapshot
 from minserve.engine.sampler import Sampler, SamplingBatch, banned_tokens
 from minserve.engine.batch_invariance import check_model, make_row_invariant
-from minserve.engine.fused_step import FusedCpuExecutor, fused_decoder
+from minserve.engine.fused_step import FusedCpuExecutor, InvariantFusedExecutor, fused_decoder, invariant_fused_decoder
 from minserve.engine.step_executor import ModelExecutor, StepExecutor
 from minserve.engine.step_io import ModelRunnerOutput, SampledToken, SchedulerOutput
 from minserve.engine.threads import CpuLoadHint, ThreadController, adaptive_threads_enabled
@@ -88,10 +88,9 @@ class ModelRunner:
         # The attention backend whose metadata any step can use (torch), the Triton decode backend
         # on CUDA (its per-layer op serves torch metadata too, so the model attends through it),
         # and the step executors by preference (allocate_kv adds the fused C step).
-        if config.batch_invariant:
+        if config.batch_invariant:   # the PyTorch path's products, for where the fused step cannot run
             check_model(self.model.config.head_dim)
-            log.info("batch_invariant: %d weight products in row-invariant loops, every step on the "
-                     "PyTorch path", make_row_invariant(self.model))
+            make_row_invariant(self.model)
         self.layer_backend = TorchAttentionBackend(config.block_size, self.device, config.batch_invariant)
         self.decode_backend = _triton_decode_backend(self.model.config, config, self.device)
         self.model.use_attention(self.decode_backend or self.layer_backend)
@@ -131,8 +130,14 @@ class ModelRunner:
             self.model.rotary.build_tables(self.device)
         self.kv_caches = allocate_kv_tensors(self.model.config, spec, self.config.torch_dtype, self.config.device)
         self.block_size = spec.block_size
-        fused = fused_decoder(self.model, self.kv_caches, self.config, MAX_FUSED_QUERY_LEN)
         self.layer_backend.block_size = spec.block_size
+        if self.config.batch_invariant:
+            # One executor for every step: a step on another path would give its rows other bits.
+            fused = invariant_fused_decoder(self.model, self.kv_caches, self.config, MAX_FUSED_QUERY_LEN)
+            self.executors = [InvariantFusedExecutor(fused, fused.max_rows) if fused is not None
+                              else self.model_executor]
+            return
+        fused = fused_decoder(self.model, self.kv_caches, self.config, MAX_FUSED_QUERY_LEN)
         decode = [ModelExecutor(self, self.decode_backend)] if self.decode_backend is not None else []
         for e in decode:
             e.backend.block_size = spec.block_size
@@ -215,7 +220,9 @@ class ModelRunner:
                              [s.context_len for s in sched.scheduled],
                              [kv.block_table(s.request.request_id) for s in sched.scheduled])
         spans = _prompt_logprob_spans(sched)
-        executor = self.model_executor if spans else self.executor_for(seqs)  # the fused step has no prompt rows
+        executor = self.executor_for(seqs)
+        if spans and not executor.takes_prompt_rows:   # the decode fused step has no prompt rows
+            executor = self.model_executor
         meta = executor.build_metadata(seqs)
         to = dict(dtype=torch.long, device=self.device)
         ids, pos, rows = (torch.tensor(v, **to) for v in (tokens, positions, logits_rows))
@@ -230,10 +237,13 @@ class ModelRunner:
             torch.set_num_threads(threads)
         try:
             t0 = self.threads.clock()
-            if spans:  # the hidden states of every row, for the prompt rows' LM head
+            if spans and executor.takes_prompt_rows:   # every row's final hidden state from C
+                logits, h = executor.run(ids, pos, meta, rows, threads, final_hidden=True)
+                prompt_logprobs = self._prompt_logprobs(spans, h, executor.lm_head)
+            elif spans:  # the hidden states of every row, for the prompt rows' LM head
                 h = self.model.hidden_states(ids, pos, self.kv_caches, meta)
                 logits = self.model.compute_logits(h[rows])
-                prompt_logprobs = self._prompt_logprobs(spans, h)
+                prompt_logprobs = self._prompt_logprobs(spans, h, self.model.compute_logits)
             else:
                 logits = executor.run(ids, pos, meta, rows, threads)
             copies = [c for s in sched.scheduled for c in s.block_copies]
@@ -328,16 +338,17 @@ class ModelRunner:
             for t in layer:
                 t.index_copy_(0, dst, t.index_select(0, src))
 
-    def _prompt_logprobs(self, spans: list[tuple], h: torch.Tensor) -> dict[str, list]:
+    def _prompt_logprobs(self, spans: list[tuple], h: torch.Tensor, lm_head) -> dict[str, list]:
         """The prompt logprobs of each span (see _prompt_logprob_spans), by request id, running
-        the LM head over at most PROMPT_LOGPROBS_CHUNK_ROWS rows at a time. Returned in the
-        step's output (the engine appends them to the request), not written into the request."""
+        ``lm_head`` (hidden rows -> logits) over at most PROMPT_LOGPROBS_CHUNK_ROWS rows at a time.
+        Returned in the step's output (the engine appends them to the request), not written into
+        the request."""
         out: dict[str, list] = {}
         for req, row, lo, hi in spans:
             targets, entries = req.prompt_token_ids[lo:hi], out.setdefault(req.request_id, [])
             for a in range(0, hi - lo, PROMPT_LOGPROBS_CHUNK_ROWS):
                 b = min(a + PROMPT_LOGPROBS_CHUNK_ROWS, hi - lo)
-                logits = self.model.compute_logits(h[row + a:row + b])
+                logits = lm_head(h[row + a:row + b])
                 entries += _target_logprobs(logits, targets[a:b], req.params.prompt_logprobs)
         return out
 

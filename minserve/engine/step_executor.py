@@ -28,6 +28,9 @@ class StepExecutor(ABC):
     """Runs a whole forward pass for the steps it supports. ``name`` keys the thread controller's
     timings (engine/threads.py) and the logs."""
     name: str
+    # Whether run() also gives every row's final hidden state (``final_hidden=True``) and the
+    # executor an ``lm_head`` for them: steps with prompt logprobs can then stay on it.
+    takes_prompt_rows = False
 
     def unsupported_reason(self, seqs: StepSequences) -> str | None:
         """Why this executor cannot run the step (None: it can)."""
