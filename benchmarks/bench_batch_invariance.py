@@ -21,8 +21,9 @@ is (minserve/engine/batch_invariance.py).
 
 ``--cost`` times what batch invariance costs instead: SwiGLU and RoPE in C against PyTorch's at a
 few rows (the C kernels take every row count since 2026-12-07), and, for float32, int4 and int4
-with int8 activations, decode at batch 1 and 16 and prefill by default and in the batch-invariant
-mode (two alternating rounds).
+with int8 activations, decode at batch 1 and 16 and prefill by default, in the batch-invariant
+mode (every step in the fused C step since 2026-12-08), and in the mode on the PyTorch path
+(``fused_decode=False``; two alternating rounds).
 """
 
 from __future__ import annotations
@@ -189,7 +190,9 @@ def cost(model: str) -> None:
     for rows in (1, 4, 8, 15):
         print("| {} | {:.1f} | {:.1f} |".format(rows, *token_ops_us(rows)))
     runs = {f"{fmt}{mode}": {**kw, **extra} for fmt, kw in COST_SETTINGS.items()
-            for mode, extra in (("", {}), (", batch_invariant=True", {"batch_invariant": True}))}
+            for mode, extra in (("", {}), (", batch_invariant=True", {"batch_invariant": True}),
+                                (", batch_invariant=True, fused_decode=False",
+                                 {"batch_invariant": True, "fused_decode": False}))}
     got = {name: [] for name in runs}
     for _ in range(2):   # two alternating rounds
         for name, kw in runs.items():

@@ -106,8 +106,9 @@ class EngineConfig:
     fused_decode: bool | None = None
     # vLLM's VLLM_BATCH_INVARIANT, as an argument: a request's tokens and log-probabilities do not
     # depend on what else the engine runs (its neighbours, where its prompt is cut into chunks,
-    # prefix-cache hits, preemption). CPU and float32 only (any weight format); every step on the
-    # PyTorch path (fused_decode off). engine/batch_invariance.py says why and what it costs.
+    # prefix-cache hits, preemption). CPU and float32 only (any weight format); every step in the
+    # fused C step with the flash attention kernel (fused_decode=False: every step on the PyTorch
+    # path instead). engine/batch_invariance.py says why and what it costs.
     batch_invariant: bool = False
     # minserve's own: how much history a long-running engine keeps for requests_frame() and
     # steps_frame(). Finished requests are kept as small records (counts and times, ~0.5 KiB plus

@@ -28,10 +28,12 @@ removes every such dependence on the CPU:
   (kernels/token_ops.py) and RMSNorm per row. Each path is invariant; the two differ in the last
   bits from each other, so one engine uses one.
 
-What it costs (``benchmarks/bench_batch_invariance.py --cost``, SmolLM2, two threads, 2026-12-07):
+What it costs (``benchmarks/bench_batch_invariance.py --cost``, SmolLM2, two threads, 2026-12-08):
 prefill nothing for float32 and int8 activations (the row-invariant loops run near oneDNN's rate on
-long chunks), half for int4 weights with float inputs (no dequantized tiles); decode the fused step,
-0.3-0.6x its speed at batch 1 and 0.5-0.9x at batch 16 (docs/engine/sampling.md has the table).
+long chunks), half for int4 weights with float inputs (no dequantized tiles); decode at short
+contexts little (within the default's range or ~0.8-0.9x), more as contexts grow (a decode row's
+attention in the flash kernel; docs/engine/sampling.md has the tables). On the PyTorch path decode
+runs at 0.3-0.6x of the default at batch 1.
 N-gram speculation keeps the property: proposals come from the request's own tokens, seeded draws
 do not depend on how many were proposed, and verification rows are rows like the others
 (tests/test_batch_invariance.py). A draft model does not (its proposals are sampled from one

@@ -119,7 +119,8 @@ ENGINE_HELP = {
     "disable_log_stats": "no Prometheus metrics (request timelines are still kept)",
     "fused_decode": "decode-only steps in the fused C kernel (default: whenever it can run)",
     "batch_invariant": "a request's tokens and logprobs do not depend on the other requests (CPU, "
-                       "float32; every step on the PyTorch path)",
+                       "float32; every step in the fused C step, or the PyTorch path with "
+                       "--no-fused-decode)",
     "max_request_records": "finished requests kept for requests_frame() (memory stays flat)",
     "max_step_records": "steps kept for steps_frame()",
     "adaptive_threads": "on CPU, pick each decode step's thread count from measured step times",
