@@ -201,6 +201,69 @@ typedef struct {
     int64_t block_size, kv_int8;
 } KeySource;
 
+#if defined(__AVX512F__)
+/* r[0..15] (rows) -> their transpose in place: r[c] = column c. Two rounds of unpacks put, in
+ * each 128-bit lane L of r[4g + m], column 4L + m of rows 4g .. 4g + 3; two rounds of lane
+ * shuffles gather each column's four lanes. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+        __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int m = 0; m < 4; m++) {   /* lanes: 0x88 takes a's 0, 2 and b's 0, 2; 0xdd the odd ones */
+        t[m] = _mm512_shuffle_f32x4(r[m], r[4 + m], 0x88);
+        t[4 + m] = _mm512_shuffle_f32x4(r[m], r[4 + m], 0xdd);
+        t[8 + m] = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0x88);
+        t[12 + m] = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0xdd);
+    }
+    for (int m = 0; m < 4; m++) {
+        r[m] = _mm512_shuffle_f32x4(t[m], t[8 + m], 0x88);
+        r[8 + m] = _mm512_shuffle_f32x4(t[m], t[8 + m], 0xdd);
+        r[4 + m] = _mm512_shuffle_f32x4(t[4 + m], t[12 + m], 0x88);
+        r[12 + m] = _mm512_shuffle_f32x4(t[4 + m], t[12 + m], 0xdd);
+    }
+}
+
+/* paged_key_block's transpose in 16 x 16 register tiles: tk[d, j] = key j's element d (an int8
+ * code times its key's scale: one float32 rounding, as the scalar loop), zero for j >= nk. The
+ * scalar loop read a key's D values once per column; this reads each once and shuffles in
+ * registers (the decode rows of the batch-invariant mode spent most of their attention here:
+ * bench_batch_invariance.py --attention). */
+static void transpose_keys16(const char *const *krow, const float *sk, int64_t kv_int8, int64_t D,
+                             int64_t nk, float *tk) {
+    for (int64_t j0 = 0; j0 < KEY_BLOCK; j0 += 16) {
+        if (j0 >= nk) {
+            for (int64_t d = 0; d < D; d++) memset(tk + d * KEY_BLOCK + j0, 0, 16 * sizeof(float));
+            continue;
+        }
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++) {
+                int64_t j = j0 + i;
+                if (j >= nk)
+                    r[i] = _mm512_setzero_ps();
+                else if (kv_int8)
+                    r[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                               _mm_loadu_si128((const __m128i *)(krow[j] + d0)))), _mm512_set1_ps(sk[j]));
+                else
+                    r[i] = _mm512_loadu_ps((const float *)krow[j] + d0);
+            }
+            transpose16(r);
+            for (int c = 0; c < 16; c++) _mm512_storeu_ps(tk + (d0 + c) * KEY_BLOCK + j0, r[c]);
+        }
+    }
+}
+#endif
+
 /* Keys key0 .. key0 + nk - 1 of kv head kvh from the paged cache: transposed into tk [D, KEY_BLOCK]
  * (columns past nk zero, as kt's past L) and rows into tv [KEY_BLOCK, D]; an int8 code times its
  * scale is one float32 rounding, as PyTorch's dequantization. */
@@ -222,6 +285,9 @@ static void paged_key_block(const KeySource *ks, int64_t Hkv, int64_t D, int64_t
             memcpy(tv + j * D, (const float *)ks->v_cache + at, D * sizeof(float));
         }
     }
+#if defined(__AVX512F__)
+    transpose_keys16(krow, sk, ks->kv_int8, D, nk, tk);
+#else
     /* The transpose a column of KEY_BLOCK keys at a time: contiguous stores, the rows' reads in L1
      * after the first column (writing a row's D values a column apart spilled L1: 2000-token
      * contexts of float32 keys ran 5x the decode kernel's time, bench_batch_invariance.py --attention). */
@@ -233,6 +299,7 @@ static void paged_key_block(const KeySource *ks, int64_t Hkv, int64_t D, int64_t
             for (int64_t j = 0; j < nk; j++) col[j] = ((const float *)krow[j])[d];
         for (int64_t j = nk; j < KEY_BLOCK; j++) col[j] = 0.0f;
     }
+#endif
 }
 
 /* One work item: kv head kvh, positions q_offset + t0 .. + nq - 1 (nq <= QUERY_BLOCK) of query
