@@ -379,7 +379,7 @@ class FusedDecoder:
         attend = load("prefill_attention").ms_prefill_attention_paged
         width = cfg.num_heads * cfg.head_dim
         self._flash_buffers = {n: torch.empty(rows, width) for n in ("q", "out")}
-        self._hidden = torch.empty(rows, cfg.hidden_size)   # final_hidden, when a step asks for it
+        self._hidden = torch.empty(0)   # final_hidden: allocated by the first step that asks for it
         self._plan = FlashPlan(attend=ctypes.cast(attend, ctypes.c_void_p).value,
                                q=_ptr(self._flash_buffers["q"]), out=_ptr(self._flash_buffers["out"]))
         self._scratch.flash = ctypes.pointer(self._plan)
@@ -431,6 +431,8 @@ class FusedDecoder:
                 raise ValueError("a flash FusedDecoder's step needs its FlashSequences")
             sequences.check(ids.shape[0], self._blocks)
             sequences.point(self._plan)
+            if final_hidden and self._hidden.numel() == 0:
+                self._hidden = torch.empty(self.max_rows, self._model.hidden)
             self._plan.final_hidden = _ptr(self._hidden) if final_hidden else _f32p()
         else:
             self._ensure_scores(ids.shape[0], last_position + 1)

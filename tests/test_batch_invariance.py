@@ -221,3 +221,29 @@ def test_the_server_takes_the_flag():
     from minserve.server.cli import build_parser
     args = build_parser().parse_args(["--batch-invariant", "--quantization", "int4"])
     assert args.batch_invariant is True
+
+
+def test_the_step_s_sequences_are_grouped_by_query_count_for_the_flash_kernel():
+    from minserve.kernels.decode_flash import FlashSequences, flash_reason
+    seqs = FlashSequences.build([3, 1, 1, 5, 1], [0, 10, 20, 0, 7], [[4], [1, 2], [3], [5, 6], [7]])
+    assert seqs.groups.tolist() == [[0, 3, 1], [3, 1, 3], [4, 1, 5]]   # first sequence, sequences, queries
+    assert seqs.first_row.tolist() == [3, 4, 10, 0, 5]                 # rows 0-2, 3, 4, 5-9, 10
+    assert seqs.context_lens.tolist() == [10, 20, 7, 0, 0]
+    assert seqs.tables.tolist() == [[1, 2], [3, 0], [7, 0], [4, 0], [5, 6]]
+    with pytest.raises(ValueError, match="run past the step's 10 rows"):
+        seqs.check(10, 8)
+    with pytest.raises(ValueError, match=r"block ids must be in \[0, 7\)"):
+        seqs.check(11, 7)
+    assert "multiples of 64" in flash_reason(9, 3, 32, torch.float32)
+    assert "at most 16 query heads" in flash_reason(68, 4, 64, torch.float32)
+    assert "not torch.bfloat16" in flash_reason(9, 3, 64, torch.bfloat16)
+    assert flash_reason(9, 3, 64, torch.int8) is None
+
+
+def test_a_flash_step_needs_its_sequences(model_dir):
+    llm = LLM(str(model_dir), batch_invariant=True, num_kv_blocks=24, max_model_len=256)
+    decoder = llm.llm_engine.runner.fused
+    assert decoder.flash
+    one = torch.tensor([5])
+    with pytest.raises(ValueError, match="needs its FlashSequences"):
+        decoder(one, torch.tensor([0]), torch.tensor([[0]]), torch.tensor([0]))
