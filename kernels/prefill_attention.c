@@ -272,9 +272,10 @@ static void paged_key_block(const KeySource *ks, int64_t Hkv, int64_t D, int64_t
     const char *krow[KEY_BLOCK];   /* each key's row of D codes or floats, and its scale */
     float sk[KEY_BLOCK];
     const int64_t esz = ks->kv_int8 ? 1 : 4;
-    for (int64_t j = 0; j < nk; j++) {   /* values as rows; keys found, read below */
-        int64_t t = key0 + j, slot = ks->paged[t / ks->block_size] * ks->block_size + t % ks->block_size;
-        int64_t at = (slot * Hkv + kvh) * D;
+    int64_t bs = ks->block_size, blk = key0 / bs, off = key0 % bs;   /* walked, not divided per key */
+    for (int64_t j = 0; j < nk; j++, off++) {   /* values as rows; keys found, read below */
+        if (off == bs) blk++, off = 0;
+        int64_t slot = ks->paged[blk] * bs + off, at = (slot * Hkv + kvh) * D;
         krow[j] = (const char *)ks->k_cache + at * esz;
         if (ks->kv_int8) {
             const int8_t *vc = (const int8_t *)ks->v_cache + at;
