@@ -342,6 +342,36 @@ static void attend_item(const float *q, const KeySource *ks, float *out, int64_t
         }
 }
 
+/* attend_item for one query (a decode row) at position pos, every kv head, the heads of a key
+ * block one after another: the rows of kv head h are rows h * G .. h * G + G - 1 of the buffers
+ * (H <= G * QUERY_BLOCK rows: Hkv <= QUERY_BLOCK), and each head's arithmetic is attend_item's for
+ * nq = 1, step for step, so its bits are the same. Paged keys only. */
+static void attend_row_all_heads(const float *q, const KeySource *ks, float *out, int64_t H, int64_t Hkv,
+                                 int64_t D, int64_t pos, float scale, Buffers *b) {
+    int64_t G = H / Hkv;
+    for (int64_t r = 0; r < H; r++) {
+        for (int64_t d = 0; d < D; d++) b->q[r * D + d] = q[r * D + d] * scale;
+        b->m[r] = -INFINITY, b->l[r] = 0.0f;
+    }
+    memset(b->o, 0, H * D * sizeof(float));
+    for (int64_t key0 = 0; key0 <= pos; key0 += KEY_BLOCK) {
+        int64_t nk = pos + 1 - key0 < KEY_BLOCK ? pos + 1 - key0 : KEY_BLOCK;
+        for (int64_t h = 0; h < Hkv; h++) {
+            Buffers w = {.q = b->q + h * G * D, .p = b->p + h * G * KEY_BLOCK, .o = b->o + h * G * D,
+                         .m = b->m + h * G, .l = b->l + h * G, .alpha = b->alpha + h * G, .tk = b->tk, .tv = b->tv};
+            paged_key_block(ks, Hkv, D, h, key0, nk, b->tk, b->tv);
+            product_rows(w.q, D, b->tk, KEY_BLOCK, D, G, w.p, KEY_BLOCK, NULL);
+            softmax_block(&w, G, 1, pos, key0, nk);
+            for (int64_t c = 0; c < D; c += 64)
+                product_rows(w.p, KEY_BLOCK, b->tv + c, D, nk, G, w.o + c, D, w.alpha);
+        }
+    }
+    for (int64_t r = 0; r < H; r++) {
+        float inv = 1.0f / b->l[r];
+        for (int64_t d = 0; d < D; d++) out[r * D + d] = b->o[r * D + d] * inv;
+    }
+}
+
 static int alloc_buffers(Buffers *b, int64_t G, int64_t D) {
     int64_t rows = G * QUERY_BLOCK;
     size_t floats = (size_t)(2 * rows * D + rows * KEY_BLOCK + 3 * rows + 2 * KEY_BLOCK * D + 16);

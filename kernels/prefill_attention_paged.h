@@ -27,6 +27,12 @@ int64_t ms_prefill_attention_paged(const float *q, const void *k_cache, const vo
         if (context_lens[i] < 0) return -1;
     int64_t blocks = (T + QUERY_BLOCK - 1) / QUERY_BLOCK, items = n * Hkv * blocks, failed = 0;
     int gather = blocks > 1;   /* several query blocks read every key: lay them out once */
+    int nt = nthreads > 0 ? (int)nthreads : omp_get_max_threads();
+    /* Decode rows of sequences enough to keep every thread busy: one item per row, every kv head
+     * of a key block in turn (attend_row_all_heads), so a token's keys and values are read
+     * together, as the decode kernel reads them. The same bits as an item per kv head. */
+    int all_heads = T == 1 && Hkv <= QUERY_BLOCK && n >= 2 * nt;
+    if (all_heads) items = n;
     int64_t *kt_at = malloc((size_t)(2 * n + 2) * sizeof(int64_t)), *v_at = kt_at + n + 1;
     if (!kt_at) return -2;
     kt_at[0] = v_at[0] = 0;    /* where each sequence's transposed keys and gathered values start */
@@ -41,7 +47,6 @@ int64_t ms_prefill_attention_paged(const float *q, const void *k_cache, const vo
         free(kt), free(kt_at);
         return -2;
     }
-    int nt = nthreads > 0 ? (int)nthreads : omp_get_max_threads();
     #pragma omp parallel num_threads(nt) reduction(+ : failed)
     {
         Buffers b = {0};
@@ -68,6 +73,13 @@ int64_t ms_prefill_attention_paged(const float *q, const void *k_cache, const vo
         }
         #pragma omp for schedule(dynamic, 1) nowait
         for (int64_t it = 0; it < items; it++) {   /* the last query blocks first, as above */
+            if (all_heads) {
+                KeySource ks = {.k_cache = k_cache, .v_cache = v_cache, .k_scales = k_scales, .v_scales = v_scales,
+                                .paged = tables + it * table_stride, .block_size = block_size, .kv_int8 = kv_int8};
+                if (ok) attend_row_all_heads(q + it * H * D, &ks, out + it * H * D, H, Hkv, D, context_lens[it],
+                                             scale, &b);
+                continue;
+            }
             int64_t i = it / (Hkv * blocks), rest = it % (Hkv * blocks);
             int64_t block = blocks - 1 - rest / Hkv, kvh = rest % Hkv;
             KeySource ks = {.kt = kt + kt_at[i], .v = vg + v_at[i], .ldkt = (kt_at[i + 1] - kt_at[i]) / (Hkv * D),

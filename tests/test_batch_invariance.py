@@ -74,6 +74,13 @@ def test_each_row_gets_the_same_bits_in_any_chunk_and_beside_any_sequence(int8):
     two = pa.prefill_attention_paged(torch.cat([q[10:13], q[140:143]]), caches, torch.stack([table, table]),
                                      [10, 140], 0.125)
     assert torch.equal(two, torch.cat([whole[10:13], whole[140:143]]))
+    # Decode rows of many sequences: one work item per row, its kv heads in turn (not one per kv
+    # head): the same bits, at one thread and at two.
+    rows = [3, 64, 65, 100, 128, 129, 149, 0]
+    for threads in (1, 2):
+        many = pa.prefill_attention_paged(q[rows], caches, table[None].expand(len(rows), -1), rows, 0.125,
+                                          num_threads=threads)
+        assert torch.equal(many, whole[rows]), threads
 
 
 def test_the_paged_entry_declines_what_it_does_not_take():
