@@ -12,7 +12,6 @@ the values alone (``allowed_token_ids`` all banned until ``min_tokens``; a ``cho
 
 from __future__ import annotations
 
-from minserve.engine.penalties import bad_words_token_ids, prepare_controls
 from minserve.sampling_params import SamplingParams
 
 
@@ -114,6 +113,9 @@ def prepare_logits_controls(params: SamplingParams, vocab_size: int, tokenizer, 
     words tokenized (vLLM's ``_bad_words_token_ids``), the structured-output spec compiled (cached
     by ``grammar``, a GrammarBackend): an invalid one is refused here, naming its field. Then the
     tensors a step uses are built (penalties.prepare_controls) and kept on ``params``."""
+    # Here, not at the top: the server's request checks import this module, and `minserve serve
+    # --help` should not load PyTorch (penalties.py builds tensors).
+    from minserve.engine.penalties import bad_words_token_ids, prepare_controls
     for name in ("logit_bias", "allowed_token_ids"):
         bad = [t for t in getattr(params, name) or () if t >= vocab_size]
         if bad:

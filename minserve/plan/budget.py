@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from minserve.engine.kv_sizing import kv_budget_within  # noqa: F401  (the engine's formula, named here too)
 from minserve.models.registry import ModelConfig
-from minserve.quant.schemes import DEFAULT_LM_HEAD, LM_HEAD_CHOICES
+from minserve.quant.names import DEFAULT_LM_HEAD, LM_HEAD_CHOICES
 from minserve.quant.sizes import INT4_DEFAULT_GROUP_SIZE, linear_bytes, resolve_group_size
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4")

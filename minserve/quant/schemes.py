@@ -40,18 +40,10 @@ from minserve.models.layers import Linear
 from minserve.models.weights import WeightDescriptor
 from minserve.quant import activations, formats
 from minserve.quant.activations import ACTIVATIONS
+from minserve.quant.names import CONFIG_KEYS, DEFAULT_LM_HEAD, LM_HEAD_CHOICES, QUANTIZATION_METHODS  # noqa: F401
 from minserve.quant.sizes import INT4_DEFAULT_GROUP_SIZE, resolve_group_size
 from minserve.quant.swap import QuantScheme, quantize_
 
-QUANTIZATION_METHODS = ("int8", "int4", "int4-awq")
-# quantization_config["lm_head"]: "quantize" (the format's own), "keep" (dense) or, for the int4
-# formats, "int8" (llama.cpp's habit of a higher-precision output matrix). Defaults: measured (docs/engine/quantization.md).
-LM_HEAD_CHOICES = {"int8": ("quantize", "keep"), "int4": ("int8", "quantize", "keep"),
-                   "int4-awq": ("int8", "quantize", "keep")}
-DEFAULT_LM_HEAD = {"int8": "quantize", "int4": "int8", "int4-awq": "int8"}
-CONFIG_KEYS = {"int8": ("lm_head", "activations"), "int4": ("group_size", "fallback", "lm_head", "activations"),
-               "int4-awq": ("group_size", "fallback", "lm_head", "activations", "calibration",
-                            "max_calibration_tokens", "n_grid")}
 KERNELS = ("auto", "reference")
 
 

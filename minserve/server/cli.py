@@ -20,7 +20,7 @@ from dataclasses import MISSING, fields
 
 from minserve.config import (DEFAULT_CPU_KV_CACHE_MEMORY, FP32_MATMUL_PRECISIONS, KV_CACHE_DTYPES,
                              SCHEDULING_POLICIES, EngineConfig)
-from minserve.quant.schemes import QUANTIZATION_METHODS
+from minserve.quant.names import QUANTIZATION_METHODS
 from minserve.server.admission import AdmissionConfig, ClassLimits
 from minserve.server.connections import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                          DEFAULT_KEEP_ALIVE_S, ConnectionLimits, default_max_connections)
