@@ -260,11 +260,15 @@ class ModelRunner:
 
     def executor_for(self, seqs: StepSequences) -> StepExecutor:
         """The first step executor, in order of preference, that runs this step (the PyTorch
-        model with the torch attention backend runs any)."""
+        model with the torch attention backend runs any; the batch-invariant mode's executor, its
+        only one, any step the token budget allows)."""
+        reasons = []
         for executor in self.executors:
-            if executor.unsupported_reason(seqs) is None:
+            reason = executor.unsupported_reason(seqs)
+            if reason is None:
                 return executor
-        raise AssertionError("the PyTorch model with torch attention runs every step")
+            reasons.append(f"{executor.name}: {reason}")
+        raise AssertionError(f"no step executor runs this step ({'; '.join(reasons)})")
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> ModelRunnerOutput:
         """One draw per logits row (a verify step's k + 1 rows each use the request's own params
