@@ -19,7 +19,7 @@ def _fresh(code: str) -> dict:
 
 
 @pytest.mark.parametrize("command", [["--help"], ["bench", "serve", "--help"], ["bench", "sweep", "--help"],
-                                     ["gate", "--help"], ["serve", "--help"]])
+                                     ["gate", "--help"], ["serve", "--help"], ["eval", "--help"]])
 def test_commands_that_need_no_engine_leave_torch_unloaded(command):
     out = _fresh("import contextlib, io\nfrom minserve.cli import main\n"
                  "with contextlib.redirect_stdout(io.StringIO()) as text:\n"

@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
-from minserve.eval import metrics
 from minserve.eval.data import Question
+
+if TYPE_CHECKING:   # imported where measured: `minserve eval --help` does not load PyTorch
+    from minserve.eval import metrics
 
 REFERENCE_NAMES = ("fp32", "none")
 
@@ -72,7 +75,7 @@ def parse_format(text: str) -> FormatSpec:
         args[key] = _value(value)
     quant = None if name.lower() in REFERENCE_NAMES else name
     # A format's own settings (int4:group_size=64) go where the engine takes them: quantization_config.
-    from minserve.quant.schemes import CONFIG_KEYS
+    from minserve.quant.names import CONFIG_KEYS
     qc = {k: v for k, v in args.items() if k in CONFIG_KEYS.get(quant, ())}
     if qc:
         args = {**{k: v for k, v in args.items() if k not in qc}, "quantization_config": qc}
@@ -157,6 +160,7 @@ class EvalData:
 def measure(spec: FormatSpec, llm, data: EvalData, ref_llm=None, ref_greedy=None) -> FormatResult:
     """Every metric of one engine; KL and agreement against the reference engine's (0 / full
     for the reference itself)."""
+    from minserve.eval import metrics
     r = FormatResult(spec)
     r.weight_bytes = llm.llm_engine.runner.weight_bytes()
     r.perplexity = metrics.perplexity(llm, data.texts).value
