@@ -1,9 +1,9 @@
 """Names a package re-exports, imported on first use (PEP 562).
 
-``minserve``, ``minserve.eval`` and ``minserve.models`` re-export public names from the modules that define
-them; importing those modules eagerly would load PyTorch (seconds and hundreds of MB) for every
-``minserve --help``, ``minserve bench`` against a vLLM server, or anything that only reads a
-dataset path. A package lists ``{name: home module}`` and hands this module's two functions to
+``minserve``, ``minserve.eval``, ``minserve.models``, ``minserve.quant`` and ``minserve.server``
+re-export public names from the modules that define them; importing those modules eagerly would
+load PyTorch (seconds and hundreds of MB) for every ``minserve --help`` or ``minserve serve
+--help``, ``minserve bench`` against a vLLM server, or anything that only reads a dataset path. A package lists ``{name: home module}`` and hands this module's two functions to
 Python::
 
     __getattr__, __dir__ = lazy.exports(globals(), {"LLM": "minserve.engine.llm", ...})
