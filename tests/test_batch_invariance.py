@@ -254,3 +254,16 @@ def test_a_flash_step_needs_its_sequences(model_dir):
     one = torch.tensor([5])
     with pytest.raises(ValueError, match="needs its FlashSequences"):
         decoder(one, torch.tensor([0]), torch.tensor([[0]]), torch.tensor([0]))
+
+
+def test_a_model_the_fused_step_does_not_compute_stays_invariant_on_the_pytorch_path(tmp_path):
+    """Qwen3 normalizes each q and k head, which the fused step does not compute: the mode runs it
+    on the PyTorch path (and says so), and the crowd still leaves the seeded request's bits alone."""
+    from test_model_registry import hf_checkpoint
+    path = hf_checkpoint(tmp_path, "qwen3", hidden_size=128, intermediate_size=256, head_dim=64,
+                         num_attention_heads=6, num_key_value_heads=2)
+    assert _executors(LLM(str(path), batch_invariant=True, num_kv_blocks=24, max_model_len=256)) == ["torch"]
+    alone, together, row = _crowd_run(path, PROMPT, A8, threads=(1, 2), batch_invariant=True)
+    assert row.num_preemptions >= 1
+    assert together.token_ids == alone.token_ids
+    assert _numbers(together) == _numbers(alone)
