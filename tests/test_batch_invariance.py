@@ -267,3 +267,16 @@ def test_a_model_the_fused_step_does_not_compute_stays_invariant_on_the_pytorch_
     assert row.num_preemptions >= 1
     assert together.token_ids == alone.token_ids
     assert _numbers(together) == _numbers(alone)
+
+
+@pytest.mark.parametrize("sizes, message", [
+    ({"head_dim": 32}, "a head size that is a multiple of 64, got 32"),
+    ({"num_attention_heads": 17, "num_key_value_heads": 1}, "at most 16 query heads per kv head, got 17"),
+])
+def test_a_model_the_attention_kernel_cannot_take_is_refused_at_start(tmp_path, sizes, message):
+    from minserve.models.loader import _smollm2_tokenizer_dir
+    from minserve.models.tiny import write_tiny_model
+    path = write_tiny_model(tmp_path / "m", 0, _smollm2_tokenizer_dir(), SIZES | sizes)
+    LLM(str(path), num_kv_blocks=8)   # the default engine takes it
+    with pytest.raises(ValueError, match=message):
+        LLM(str(path), batch_invariant=True, num_kv_blocks=8)

@@ -79,11 +79,16 @@ def make_row_invariant(model) -> int:
     return len(layers)
 
 
-def check_model(head_dim: int) -> None:
-    """Whether this machine can run the batch-invariant attention for heads of ``head_dim``."""
+def check_model(model_config) -> None:
+    """Whether this machine can run the batch-invariant attention for this model (a ModelConfig:
+    its head size and query heads per kv head, the C attention kernel's limits)."""
+    from minserve.kernels.decode_flash import MAX_GROUP
     from minserve.kernels.prefill_attention import paged_available
+    head_dim, group = model_config.head_dim, model_config.num_heads // model_config.num_kv_heads
     if head_dim % 64:
         raise ValueError(f"batch_invariant=True needs a head size that is a multiple of 64, got {head_dim}")
+    if group > MAX_GROUP:
+        raise ValueError(f"batch_invariant=True needs at most {MAX_GROUP} query heads per kv head, got {group}")
     if not paged_available():
         raise ValueError("batch_invariant=True needs the C attention kernel: MINSERVE_PREFILL_ATTENTION=sdpa "
                          "turns it off, or it did not build here (a C compiler with OpenMP; see "

@@ -89,7 +89,7 @@ class ModelRunner:
         # on CUDA (its per-layer op serves torch metadata too, so the model attends through it),
         # and the step executors by preference (allocate_kv adds the fused C step).
         if config.batch_invariant:   # the PyTorch path's products, for where the fused step cannot run
-            check_model(self.model.config.head_dim)
+            check_model(self.model.config)
             make_row_invariant(self.model)
         self.layer_backend = TorchAttentionBackend(config.block_size, self.device, config.batch_invariant)
         self.decode_backend = _triton_decode_backend(self.model.config, config, self.device)
