@@ -54,6 +54,10 @@ class FlashSequences:
     first_row: torch.Tensor     # [sequences] int64, in group order
     context_lens: torch.Tensor  # [sequences] int64
     tables: torch.Tensor        # [sequences, width] int64
+    # What check() compares, taken from the lists in build(): no tensor reductions on every step.
+    rows: int = 0               # the rows the sequences span
+    blocks: tuple[int, int] = (0, 0)   # the smallest and largest block id in the tables
+    min_context: int = 0
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]]):
@@ -71,8 +75,10 @@ class FlashSequences:
         width = max(1, max(len(block_tables[i]) for i in order))
         tables = [list(block_tables[i]) + [0] * (width - len(block_tables[i])) for i in order]
         as_tensor = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        ids = [b for t in tables for b in t]
         return cls(as_tensor(groups), as_tensor([starts[i] for i in order]),
-                   as_tensor([context_lens[i] for i in order]), as_tensor(tables))
+                   as_tensor([context_lens[i] for i in order]), as_tensor(tables),
+                   rows=row, blocks=(min(ids), max(ids)), min_context=min(context_lens))
 
     def point(self, plan: FlashPlan) -> None:
         """Point ``plan`` at these tensors (which must outlive the step's call)."""
@@ -85,10 +91,9 @@ class FlashSequences:
 
     def check(self, rows: int, blocks: int) -> None:
         """Refuse what C would trust: every sequence's rows inside the step, block ids in the pool."""
-        q = self.groups[:, 2].repeat_interleave(self.groups[:, 1])
-        if int((self.first_row + q).max()) > rows or int(self.first_row.min()) < 0:
+        if self.rows > rows:   # the sequences' rows are consecutive from row 0 (build)
             raise ValueError(f"a sequence's rows run past the step's {rows} rows")
-        if int(self.tables.min()) < 0 or int(self.tables.max()) >= blocks:
+        if self.blocks[0] < 0 or self.blocks[1] >= blocks:
             raise ValueError(f"block ids must be in [0, {blocks})")
-        if int(self.context_lens.min()) < 0:
+        if self.min_context < 0:
             raise ValueError("context lengths must be >= 0")
